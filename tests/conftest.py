@@ -1,0 +1,80 @@
+"""Fixtures on real vLLM. A missing vLLM fails every test, naming the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+BUILD_COMMAND = "python -m nox -s tests  (see README.md, 'Running the tests')"
+
+
+def _real_vllm_version() -> str:
+    try:
+        import vllm
+        from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
+            decode_bench_connector,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure means no usable vLLM
+        pytest.fail(
+            f"these tests need a real vLLM with DecodeBenchConnector ({exc!r}); "
+            f"build the environment with: {BUILD_COMMAND}",
+            pytrace=False,
+        )
+    return vllm.__version__
+
+
+@pytest.fixture(scope="session")
+def vllm_version() -> str:
+    return _real_vllm_version()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, vllm_version):
+    from tests.hybrid import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next"))
+
+
+@pytest.fixture(scope="session")
+def vllm_config_for(tiny_model):
+    """`vllm_config_for(fill_mean=..., fill_std=...)`: real VllmConfigs, cached."""
+    from tests.hybrid import make_vllm_config
+
+    cache = {}
+
+    def build(**extra):
+        key = tuple(sorted(extra.items()))
+        if key not in cache:
+            cache[key] = make_vllm_config(tiny_model, **extra)
+        return cache[key]
+
+    return build
+
+
+def run_fresh(code: str, env: dict | None = None, timeout: float = 300) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON object last.
+
+    Returns that object with the child's stderr under "stderr".
+    """
+    child_env = {**os.environ, **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=timeout,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and lines, (
+        f"child failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    )
+    report = json.loads(lines[-1])
+    report["stderr"] = result.stderr
+    report["stdout"] = result.stdout
+    return report

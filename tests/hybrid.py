@@ -1,0 +1,201 @@
+"""Real vLLM objects for connector-level tests: config, KV-cache config, pools.
+
+The pools are laid out the way vLLM's hybrid allocator lays them out: one raw
+byte tensor per pool with a uniform page size, an attention layer viewing it
+as ``(num_blocks, 2, block_size, heads, head_dim)`` (or FlashAttention's
+``(2, num_blocks, ...)`` of vLLM <= 0.22), and each Mamba state an
+``as_strided`` view ``(num_blocks, *state_shape)`` over the same pages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ATTENTION_LAYER = "model.layers.1.self_attn.attn"
+LINEAR_LAYER = "model.layers.0.linear_attn"
+ATTENTION_GROUP, LINEAR_GROUP = 0, 1
+
+BLOCK_SIZE, HEADS, HEAD_DIM = 16, 1, 64
+ATTENTION_DTYPE = torch.bfloat16
+STATE_DTYPE = torch.float32
+PAGE_BYTES = 2 * BLOCK_SIZE * HEADS * HEAD_DIM * ATTENTION_DTYPE.itemsize
+
+GDN_STATES = ((3, 64), (2, 8, 8))
+"""Qwen3-Next gated delta net: conv state, recurrent state."""
+KDA_STATES = ((3, 32), (3, 32), (3, 32), (2, 8, 8))
+"""Kimi-Linear KDA: q/k/v conv states, recurrent state."""
+
+TINY_QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "full_attention_interval": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_tiny_model(directory: Path) -> Path:
+    """A config-only Qwen3-Next model directory; weights: load_format=dummy."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT, indent=2))
+    return directory
+
+
+def make_vllm_config(model_dir: Path, **extra_config):
+    """A real VllmConfig selecting DecodeBenchConnector."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    transfer = KVTransferConfig(
+        kv_connector="DecodeBenchConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra_config,
+    )
+    return EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        max_model_len=256,
+        kv_transfer_config=transfer,
+    ).create_engine_config()
+
+
+@dataclass
+class HybridPool:
+    """One shared pool: an attention layer and a Mamba layer over the same pages."""
+
+    raw: torch.Tensor
+    num_blocks: int
+    caches: dict
+    state_shapes: tuple
+
+    def pages(self) -> torch.Tensor:
+        return self.raw.view(self.num_blocks, PAGE_BYTES)
+
+    def attention_block(self, block_id: int) -> torch.Tensor:
+        return self.pages()[block_id].view(ATTENTION_DTYPE)
+
+    def state_block(self, block_id: int) -> list[torch.Tensor]:
+        return [state[block_id] for state in self.caches[LINEAR_LAYER]]
+
+
+def make_pool(
+    num_blocks: int,
+    state_shapes: tuple = GDN_STATES,
+    states_as: type = list,
+    kv_first: bool = False,
+) -> HybridPool:
+    # Random bytes: an untouched row is recognisable byte for byte.
+    raw = torch.randint(0, 256, (num_blocks * PAGE_BYTES,), dtype=torch.uint8)
+    # FlashAttention <= 0.22.1 stacks K and V first: (2, num_blocks, ...).
+    leading = (2, num_blocks) if kv_first else (num_blocks, 2)
+    attention = raw.view(ATTENTION_DTYPE).view(*leading, BLOCK_SIZE, HEADS, HEAD_DIM)
+    states, offset = [], 0
+    page_elements = PAGE_BYTES // STATE_DTYPE.itemsize
+    for shape in state_shapes:
+        inner = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        states.append(
+            torch.as_strided(
+                raw.view(STATE_DTYPE),
+                (num_blocks, *shape),
+                (page_elements, *inner),
+                offset,
+            )
+        )
+        offset += math.prod(shape)
+    caches = {ATTENTION_LAYER: attention, LINEAR_LAYER: states_as(states)}
+    return HybridPool(raw, num_blocks, caches, state_shapes)
+
+
+def make_kv_cache_config(pool: HybridPool):
+    """The real KVCacheConfig vLLM would build for this pool: two groups."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+
+    attention_spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HEADS,
+        head_size=HEAD_DIM,
+        dtype=ATTENTION_DTYPE,
+    )
+    mamba_spec = MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=pool.state_shapes,
+        dtypes=tuple(STATE_DTYPE for _ in pool.state_shapes),
+        page_size_padded=PAGE_BYTES,
+    )
+    return KVCacheConfig(
+        num_blocks=pool.num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=pool.raw.numel(), shared_by=[ATTENTION_LAYER, LINEAR_LAYER]
+            )
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([ATTENTION_LAYER], attention_spec),
+            KVCacheGroupSpec([LINEAR_LAYER], mamba_spec),
+        ],
+    )
+
+
+def make_worker_connector(vllm_config, pool: HybridPool, kv_cache_config="from pool"):
+    """A real worker-role DecodeBenchConnector with the pool's caches registered."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+
+    if kv_cache_config == "from pool":
+        kv_cache_config = make_kv_cache_config(pool)
+    connector = DecodeBenchConnector(
+        vllm_config, KVConnectorRole.WORKER, kv_cache_config
+    )
+    connector.register_kv_caches(pool.caches)
+    return connector
+
+
+def start_fill(connector, reqs_to_fill: dict) -> None:
+    """Bind real metadata ``{req_id: (block_ids_per_group, num_tokens)}`` and fill."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnectorMetadata,
+    )
+
+    connector.bind_connector_metadata(
+        DecodeBenchConnectorMetadata(reqs_to_fill=reqs_to_fill)
+    )
+    connector.start_load_kv(None)
+    connector.clear_connector_metadata()

@@ -1,0 +1,247 @@
+"""The patch on the real DecodeBenchConnector of the installed vLLM, in process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import vllm_kvfill_patch
+from tests.hybrid import (
+    ATTENTION_DTYPE,
+    ATTENTION_GROUP,
+    ATTENTION_LAYER,
+    GDN_STATES,
+    KDA_STATES,
+    LINEAR_GROUP,
+    LINEAR_LAYER,
+    PAGE_BYTES,
+    make_pool,
+    make_worker_connector,
+    start_fill,
+)
+from vllm_kvfill_patch import Decision
+
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(autouse=True)
+def patched(vllm_version):
+    """Every test starts with the patch applied, and leaves it applied."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
+        decode_bench_connector,
+    )
+
+    assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
+    yield
+    vllm_kvfill_patch.apply()
+
+
+@pytest.fixture
+def patch_log():
+    """Records what the patch logs (vLLM's own logger does not propagate)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.kvfill_patch")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def expect_only_pages_changed(pool, before: torch.Tensor, changed: set[int]) -> None:
+    pages, old = pool.pages(), before.view(pool.num_blocks, PAGE_BYTES)
+    for block_id in range(pool.num_blocks):
+        same = torch.equal(pages[block_id], old[block_id])
+        assert same != (block_id in changed), f"block {block_id}"
+
+
+def test_without_the_patch_a_list_state_cache_crashes(vllm_config_for):
+    # Building a VllmConfig loads vLLM's plugins, this package's among them.
+    vllm_config = vllm_config_for()
+    vllm_kvfill_patch.revert()
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(vllm_config, pool)
+    with pytest.raises(AttributeError, match="'list' object has no attribute 'device'"):
+        start_fill(connector, {"r": (([1], [2]), 16)})
+
+
+@pytest.mark.parametrize(
+    "state_shapes,states_as",
+    [(GDN_STATES, list), (KDA_STATES, tuple)],
+    ids=["gdn-list", "kda-tuple"],
+)
+def test_each_layer_gets_its_own_groups_rows_and_nothing_else(
+    vllm_config_for, state_shapes, states_as
+):
+    pool = make_pool(NUM_BLOCKS, state_shapes, states_as)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    before = pool.raw.clone()
+
+    start_fill(connector, {"r1": (([3, 4], [7]), 32)})
+
+    expect_only_pages_changed(pool, before, {3, 4, 7})
+    for block_id in (3, 4):
+        assert (pool.attention_block(block_id) == 0.5).all()
+    for state in pool.state_block(7):
+        assert (state == 0.5).all()
+    # The Mamba state page's padding beyond the states is not state: untouched.
+    state_bytes = sum(torch.Size(s).numel() for s in state_shapes) * 4
+    assert torch.equal(
+        pool.pages()[7][state_bytes:],
+        before.view(NUM_BLOCKS, PAGE_BYTES)[7][state_bytes:],
+    )
+
+
+def test_upstream_group_zero_map_is_replaced_by_the_real_groups(vllm_config_for):
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(vllm_config_for(), pool)
+    assert connector.connector_worker.group_to_layers == {
+        ATTENTION_GROUP: [ATTENTION_LAYER],
+        LINEAR_GROUP: [LINEAR_LAYER],
+    }
+
+
+def test_a_second_request_leaves_the_first_requests_blocks_alone(vllm_config_for):
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    start_fill(connector, {"r1": (([1, 2], [3]), 32)})
+    after_first = pool.raw.clone()
+    start_fill(connector, {"r2": (([4, 5], [6]), 32)})
+    expect_only_pages_changed(pool, after_first, {4, 5, 6})
+
+
+def test_random_fill_gives_normal_values(vllm_config_for):
+    pool = make_pool(64)
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=0.25, fill_std=0.5), pool
+    )
+    before = pool.raw.clone()
+    attention_ids = list(range(1, 40))
+    start_fill(connector, {"r": ((attention_ids, [50]), 16 * 39)})
+    expect_only_pages_changed(pool, before, {*attention_ids, 50})
+    values = torch.stack([pool.attention_block(b) for b in attention_ids]).float()
+    assert abs(values.mean().item() - 0.25) < 0.02
+    assert abs(values.std().item() - 0.5) < 0.02
+    conv_state = pool.state_block(50)[0]
+    assert conv_state.unique().numel() > 100
+
+
+def test_flashattention_kv_first_layout_fills_the_block_dimension(vllm_config_for):
+    pool = make_pool(NUM_BLOCKS, kv_first=True)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    attention = pool.caches[ATTENTION_LAYER]
+    before = attention.clone()
+    start_fill(connector, {"r": (([1, 5], []), 32)})
+    for block_id in range(NUM_BLOCKS):
+        row, old = attention[:, block_id], before[:, block_id]
+        if block_id in (1, 5):
+            assert (row == 0.5).all()
+        else:
+            assert torch.equal(row.view(torch.int16), old.view(torch.int16))
+
+
+def test_invalid_null_and_duplicate_ids(vllm_config_for):
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    before = pool.raw.clone()
+    start_fill(connector, {"r": (([0, -1, NUM_BLOCKS, 99, 2, 2], []), 32)})
+    expect_only_pages_changed(pool, before, {2})
+    start_fill(connector, {"r2": (([], []), 0)})
+    expect_only_pages_changed(pool, before, {2})
+
+
+def test_non_tensor_cache_warns_once_and_other_layers_still_fill(
+    vllm_config_for, patch_log
+):
+    pool = make_pool(NUM_BLOCKS)
+    pool.caches["model.layers.2.odd"] = {"not": "a tensor"}
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    connector.connector_worker.group_to_layers[ATTENTION_GROUP].append(
+        "model.layers.2.odd"
+    )
+    before = pool.raw.clone()
+    start_fill(connector, {"r1": (([1], [2]), 16)})
+    start_fill(connector, {"r2": (([3], [4]), 16)})
+    warnings = [r for r in patch_log if "model.layers.2.odd" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "dict" in warnings[0].getMessage()
+    expect_only_pages_changed(pool, before, {1, 2, 3, 4})
+
+
+def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
+    config = vllm_config_for(fill_mean=0.5)
+    pool = make_pool(NUM_BLOCKS)
+    fp8_cache = torch.zeros(NUM_BLOCKS, 2, 16, 1, 64, dtype=torch.uint8)
+    pool.caches[ATTENTION_LAYER] = fp8_cache
+    original = config.cache_config.cache_dtype
+    config.cache_config.cache_dtype = "fp8_e4m3"
+    try:
+        connector = make_worker_connector(config, pool)
+    finally:
+        config.cache_config.cache_dtype = original
+    start_fill(connector, {"r": (([2], []), 16)})
+    expected = torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()
+    assert (fp8_cache[2] == expected).all()
+    assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
+
+
+def test_revert_restores_the_original_function_objects():
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+        DecodeBenchConnectorWorker,
+    )
+
+    patched_fill = DecodeBenchConnectorWorker.__dict__["_fill_blocks"]
+    original_fill = patched_fill.__wrapped__
+    original_register = DecodeBenchConnector.__dict__["register_kv_caches"].__wrapped__
+    assert vllm_kvfill_patch.revert().decision is Decision.INERT
+    assert DecodeBenchConnectorWorker.__dict__["_fill_blocks"] is original_fill
+    assert DecodeBenchConnector.__dict__["register_kv_caches"] is original_register
+    assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
+    assert (
+        DecodeBenchConnectorWorker.__dict__["_fill_blocks"].__wrapped__ is original_fill
+    )
+
+
+def test_apply_from_eight_threads_installs_one_wrapper():
+    import threading
+
+    import wrapt
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnectorWorker,
+    )
+
+    vllm_kvfill_patch.revert()
+    barrier = threading.Barrier(8)
+
+    def race():
+        barrier.wait()
+        vllm_kvfill_patch.apply()
+
+    threads = [threading.Thread(target=race) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    chain = list(
+        wrapt.wrapper_chain(DecodeBenchConnectorWorker.__dict__["_fill_blocks"])
+    )
+    assert len(chain) == 2  # our wrapper, then upstream's function
+    assert vllm_kvfill_patch.status().decision is Decision.APPLIED
+
+
+def test_status_reports_version_and_reason(vllm_version):
+    current = vllm_kvfill_patch.status()
+    assert current.vllm_version == vllm_version
+    assert current.decision is Decision.APPLIED
+    assert "list/tuple" in current.reason
+
+
+def test_fill_values_are_the_cache_dtype(vllm_config_for):
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(vllm_config_for(), pool)
+    start_fill(connector, {"r": (([1], [2]), 16)})
+    default_mean = torch.tensor(0.015, dtype=ATTENTION_DTYPE)
+    assert (pool.attention_block(1) == default_mean).all()

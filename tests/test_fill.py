@@ -1,0 +1,166 @@
+"""fill.py on its own: property tests against an obviously-correct reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_kvfill_patch import fill
+from vllm_kvfill_patch.fill import FillValue, Written
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def reference_rows(block_ids, num_blocks):
+    """The block rows a correct fill writes: valid, non-null, each once."""
+    return sorted({b for b in block_ids if 0 < b < num_blocks})
+
+
+def fill_byte(value: float, encoding: torch.dtype) -> int:
+    return int(torch.tensor(value).to(encoding).view(torch.uint8).item())
+
+
+def assert_rows(before, after, dim, rows, expected_row):
+    """Rows `rows` along `dim` equal `expected_row`; every other row unchanged."""
+    for b in range(after.shape[dim]):
+        row = after.select(dim, b)
+        expected = expected_row(row) if b in rows else before.select(dim, b)
+        assert torch.equal(row, expected), f"row {b}"
+
+
+block_id_lists = st.lists(st.integers(min_value=-3, max_value=40), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    num_blocks=st.integers(min_value=1, max_value=24),
+    row_shape=st.lists(st.integers(min_value=1, max_value=5), min_size=0, max_size=3),
+    kv_first=st.booleans(),
+    block_ids=block_id_lists,
+    dtype=st.sampled_from(DTYPES),
+    mean=st.floats(min_value=-4, max_value=4, allow_nan=False, width=16),
+)
+def test_constant_fill_writes_exactly_the_requested_rows(
+    num_blocks, row_shape, kv_first, block_ids, dtype, mean
+):
+    shape = [2, num_blocks, *row_shape] if kv_first else [num_blocks, *row_shape]
+    cache = torch.randn(shape).to(dtype)
+    before = cache.clone()
+    dim = fill.find_block_dim(cache.shape, num_blocks)
+    report = fill.fill_cache_blocks_(cache, block_ids, num_blocks, FillValue(mean))
+    rows = reference_rows(block_ids, num_blocks)
+    assert report.written is (Written.ROWS if rows else Written.NOTHING)
+    assert_rows(before, cache, dim, rows, lambda r: torch.full_like(r, mean))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    num_blocks=st.integers(min_value=2, max_value=24),
+    row_shape=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=3),
+    block_ids=block_id_lists,
+    dtype=st.sampled_from(DTYPES),
+    scratch_bytes=st.sampled_from([4, 64, 1024, fill.SCRATCH_BYTES]),
+)
+def test_random_fill_changes_only_requested_rows(
+    num_blocks, row_shape, block_ids, dtype, scratch_bytes
+):
+    cache = torch.full([num_blocks, *row_shape], 1000.0, dtype=dtype)
+    before = cache.clone()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fill, "SCRATCH_BYTES", scratch_bytes)
+        fill.fill_cache_blocks_(cache, block_ids, num_blocks, FillValue(0.0, 1.0))
+    rows = reference_rows(block_ids, num_blocks)
+    for b in range(num_blocks):
+        if b in rows:
+            # Normal(0, 1) samples are never the sentinel 1000.
+            assert (cache[b].float().abs() < 100).all()
+        else:
+            assert torch.equal(cache[b], before[b])
+
+
+def test_random_fill_is_normal_distributed():
+    cache = torch.zeros(8, 64, 1024)
+    fill.fill_cache_blocks_(cache, [2, 3, 5], 8, FillValue(0.5, 0.25))
+    filled = cache[[2, 3, 5]]
+    assert abs(filled.mean().item() - 0.5) < 0.01
+    assert abs(filled.std().item() - 0.25) < 0.01
+    assert filled.unique().numel() > 1000
+    assert torch.equal(cache[[0, 1, 4, 6, 7]], torch.zeros(5, 64, 1024))
+
+
+@pytest.mark.parametrize("encoding", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("std", [0.0, 0.5])
+def test_fp8_cache_stored_as_uint8_gets_the_encoded_value(encoding, std):
+    cache = torch.full((6, 4, 8), 0xAB, dtype=torch.uint8)
+    fill.fill_cache_blocks_(cache, [1, 4], 6, FillValue(0.015, std, encoding))
+    for b in (0, 2, 3, 5):
+        assert (cache[b] == 0xAB).all()
+    decoded = cache[[1, 4]].view(encoding).float()
+    if std == 0:
+        assert (cache[[1, 4]] == fill_byte(0.015, encoding)).all()
+    else:
+        assert decoded.std() > 0.1 and abs(decoded.mean()) < 0.3
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.bool])
+def test_integer_cache_is_zero_filled_and_reported(dtype):
+    cache = torch.ones((5, 3), dtype=dtype)
+    report = fill.fill_cache_blocks_(cache, [2], 5, FillValue(0.015, 0.3))
+    assert report == fill.FillReport(Written.ROWS, zeroed=True)
+    assert not cache[2].any()
+    assert cache[[0, 1, 3, 4]].all()
+
+
+def test_block_runs_normalise_ids():
+    assert fill.block_runs([5, 3, 4, 4, 9, -1, 0, 12, 10], 11) == [(3, 3), (9, 2)]
+    assert fill.block_runs([], 11) == []
+
+
+def test_null_block_is_never_filled():
+    cache = torch.zeros(4, 2)
+    report = fill.fill_cache_blocks_(cache, [0], 4, FillValue(1.0))
+    assert report.written is Written.NOTHING
+    assert not cache.any()
+
+
+def test_many_scattered_blocks_use_the_indexed_fill():
+    cache = torch.zeros(64, 3)
+    ids = list(range(1, 64, 2))
+    fill.fill_cache_blocks_(cache, ids, 64, FillValue(2.0))
+    assert (cache[ids] == 2).all() and not cache[list(range(0, 64, 2))].any()
+
+
+def test_tensor_without_block_dimension_is_left_alone():
+    cache = torch.zeros(3, 5)
+    report = fill.fill_cache_blocks_(cache, [1], 7, FillValue(1.0))
+    assert report.written is Written.NO_BLOCK_DIM
+    assert not cache.any()
+
+
+def test_state_fill_takes_rows_of_block_indexed_states_and_whole_others():
+    pool = torch.zeros(10 * 12)
+    conv = torch.as_strided(pool, (10, 2, 3), (12, 3, 1), 0)
+    ssm = torch.as_strided(pool, (10, 6), (12, 1), 6)
+    no_block_dim = torch.zeros(4, 4)
+    reports = fill.fill_state_blocks_(
+        (conv, ssm, no_block_dim), [3, 7], 10, FillValue(1.5)
+    )
+    assert [r.written for r in reports] == [
+        Written.ROWS,
+        Written.ROWS,
+        Written.WHOLE_TENSOR,
+    ]
+    pages = pool.view(10, 12)
+    assert (pages[[3, 7]] == 1.5).all()
+    assert not pages[[0, 1, 2, 4, 5, 6, 8, 9]].any()
+    assert (no_block_dim == 1.5).all()
+
+
+def test_random_whole_tensor_fill_larger_than_scratch(monkeypatch):
+    monkeypatch.setattr(fill, "SCRATCH_BYTES", 16)
+    state = torch.zeros(1, 3, 7)
+    reports = fill.fill_state_blocks_([state], [1], 5, FillValue(0.0, 1.0))
+    assert reports[0].written is Written.WHOLE_TENSOR
+    assert state.ne(0).all()

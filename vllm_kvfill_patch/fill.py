@@ -1,0 +1,244 @@
+"""Write dummy values into the KV-cache rows of given blocks, in place.
+
+Pure torch: no vLLM, no wrapt, so it can be tested and benchmarked on its own.
+
+Every cache handed to vLLM's connector is block-indexed: an attention tensor
+has one row per KV block along its block dimension, and each Mamba / linear
+attention state tensor has one row per block along dim 0 (row b is the state
+kept in block b). The rows of other blocks belong to other requests, and the
+tensors are views over memory pools shared across layers, so only the
+requested rows may be written.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+NULL_BLOCK_ID = 0
+"""vLLM's block pool reserves block 0 as the shared null (placeholder) block.
+No request owns it, so it is never filled."""
+
+SCRATCH_BYTES = 64 * 1024 * 1024
+"""Upper bound of the temporary buffer used for random fills."""
+
+INDEXED_FILL_MIN_RUNS = 8
+"""From this many runs of consecutive blocks on, one indexed kernel
+(`index_fill_` / `index_copy_`) beats a Python loop of slice fills."""
+
+
+@dataclass(frozen=True)
+class FillValue:
+    """What to write: `mean`, or normal(mean, std) samples when std > 0.
+
+    `encoding` names the dtype whose bytes a uint8 cache holds (vLLM stores
+    fp8 KV caches as uint8); the value is written in that encoding.
+    """
+
+    mean: float
+    std: float = 0.0
+    encoding: torch.dtype | None = None
+
+
+class Written(enum.Enum):
+    """Which part of a tensor a fill wrote."""
+
+    ROWS = "rows"
+    WHOLE_TENSOR = "whole tensor"
+    NOTHING = "nothing"
+    NO_BLOCK_DIM = "nothing: no block dimension"
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """What one tensor's fill did, for the caller to log."""
+
+    written: Written
+    zeroed: bool = False
+    """True when the dtype cannot hold the value and zeros were written."""
+
+
+def block_runs(block_ids: Iterable[int], num_blocks: int) -> list[tuple[int, int]]:
+    """Sort valid ids into `(start, length)` runs of consecutive blocks.
+
+    Ids outside `1 .. num_blocks - 1` are dropped (the null block and
+    out-of-range ids), duplicates count once.
+    """
+    ids = sorted({int(i) for i in block_ids if NULL_BLOCK_ID < int(i) < num_blocks})
+    runs: list[tuple[int, int]] = []
+    for block_id in ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+def find_block_dim(shape: Sequence[int], num_blocks: int) -> int | None:
+    """The dimension of an attention cache that indexes blocks, or None.
+
+    `(num_blocks, ...)` layouts index dim 0; FlashAttention up to vLLM 0.22
+    stacks K and V first, `(2, num_blocks, ...)`. With num_blocks == 2 both
+    readings fit; dim 0 is taken, the layout of every other backend.
+    """
+    if len(shape) >= 1 and shape[0] == num_blocks:
+        return 0
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+        return 1
+    return None
+
+
+def fill_cache_blocks_(
+    cache: torch.Tensor,
+    block_ids: Iterable[int],
+    num_blocks: int,
+    value: FillValue,
+) -> FillReport:
+    """Fill the rows of `block_ids` along an attention cache's block dimension.
+
+    A tensor with no dimension of size `num_blocks` is left untouched.
+    """
+    dim = find_block_dim(cache.shape, num_blocks)
+    if dim is None:
+        return FillReport(Written.NO_BLOCK_DIM)
+    return _fill_runs_(cache.movedim(dim, 0), block_runs(block_ids, num_blocks), value)
+
+
+def fill_state_blocks_(
+    states: Sequence[torch.Tensor],
+    block_ids: Iterable[int],
+    num_blocks: int,
+    value: FillValue,
+) -> list[FillReport]:
+    """Fill the rows of `block_ids` in each Mamba / linear-attention state.
+
+    A state whose dim 0 is not `num_blocks` has no block rows to pick, so it
+    is filled whole and reported as such.
+    """
+    runs = block_runs(block_ids, num_blocks)
+    reports = []
+    for state in states:
+        if state.dim() >= 1 and state.shape[0] == num_blocks:
+            reports.append(_fill_runs_(state, runs, value))
+        else:
+            zeroed = _fill_whole_(state, value)
+            reports.append(FillReport(Written.WHOLE_TENSOR, zeroed))
+    return reports
+
+
+def _fill_runs_(
+    rows: torch.Tensor, runs: list[tuple[int, int]], value: FillValue
+) -> FillReport:
+    if not runs:
+        return FillReport(Written.NOTHING)
+    constant = _constant_for(rows.dtype, value)
+    zeroed = constant is None
+    if zeroed or value.std == 0:
+        _fill_constant_runs_(rows, runs, 0 if zeroed else constant)
+    else:
+        _fill_random_runs_(rows, runs, value)
+    return FillReport(Written.ROWS, zeroed)
+
+
+def _fill_whole_(tensor: torch.Tensor, value: FillValue) -> bool:
+    """Fill all of `tensor`; True if zeros were written for want of a dtype."""
+    return _fill_runs_(tensor.unsqueeze(0), [(0, 1)], value).zeroed
+
+
+def _constant_for(dtype: torch.dtype, value: FillValue) -> float | int | None:
+    """The scalar to write into a tensor of `dtype`, or None if only zeros fit."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return value.mean
+    if dtype == torch.uint8 and _is_float8(value.encoding):
+        encoded = torch.tensor(value.mean, dtype=torch.float32).to(value.encoding)
+        return int(encoded.view(torch.uint8).item())
+    return None
+
+
+def _is_float8(dtype: torch.dtype | None) -> bool:
+    return dtype is not None and dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _fill_constant_runs_(
+    rows: torch.Tensor, runs: list[tuple[int, int]], constant: float | int
+) -> None:
+    if len(runs) < INDEXED_FILL_MIN_RUNS:
+        for start, length in runs:
+            rows[start : start + length].fill_(constant)
+    else:
+        rows.index_fill_(0, _run_index(runs, rows.device), constant)
+
+
+def _fill_random_runs_(
+    rows: torch.Tensor, runs: list[tuple[int, int]], value: FillValue
+) -> None:
+    sample_dtype = _sample_dtype(rows.dtype)
+    converts = sample_dtype != rows.dtype
+    bytes_per_element = sample_dtype.itemsize + (rows.dtype.itemsize if converts else 0)
+    row_elements = max(1, rows[0].numel())
+    needed = sum(length for _, length in runs) * row_elements
+    scratch = torch.empty(
+        min(needed, max(1, SCRATCH_BYTES // bytes_per_element)),
+        dtype=sample_dtype,
+        device=rows.device,
+    )
+    if len(runs) < INDEXED_FILL_MIN_RUNS:
+        for start, length in runs:
+            _copy_samples_(rows[start : start + length], scratch, value)
+        return
+    index = _run_index(runs, rows.device)
+    rows_per_chunk = max(1, scratch.numel() // row_elements)
+    if rows_per_chunk * row_elements > scratch.numel():
+        # One row is larger than the scratch: fill row by row, each in chunks.
+        for block_id in index.tolist():
+            _copy_samples_(rows[block_id : block_id + 1], scratch, value)
+        return
+    for chunk in index.split(rows_per_chunk):
+        samples = scratch[: chunk.numel() * row_elements].view(
+            (chunk.numel(), *rows.shape[1:])
+        )
+        samples.normal_(value.mean, value.std)
+        rows.index_copy_(0, chunk, _encode(samples, rows.dtype, value))
+
+
+def _copy_samples_(view: torch.Tensor, scratch: torch.Tensor, value: FillValue) -> None:
+    """Overwrite `view` with fresh samples, never using more than `scratch`."""
+    if view.numel() == 0:
+        return
+    if view.numel() <= scratch.numel():
+        samples = scratch[: view.numel()].view(view.shape)
+        samples.normal_(value.mean, value.std)
+        view.copy_(_encode(samples, view.dtype, value))
+        return
+    if view.shape[0] == 1:
+        _copy_samples_(view[0], scratch, value)
+        return
+    rows_per_chunk = max(1, scratch.numel() // (view.numel() // view.shape[0]))
+    for part in view.split(rows_per_chunk):
+        _copy_samples_(part, scratch, value)
+
+
+def _sample_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `normal_` can sample in for a cache of `dtype`."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return dtype
+    return torch.float32
+
+
+def _encode(
+    samples: torch.Tensor, dtype: torch.dtype, value: FillValue
+) -> torch.Tensor:
+    if samples.dtype == dtype:
+        return samples
+    if dtype == torch.uint8 and _is_float8(value.encoding):
+        return samples.to(value.encoding).view(torch.uint8)
+    return samples.to(dtype)
+
+
+def _run_index(runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    return torch.cat(
+        [torch.arange(start, start + length) for start, length in runs]
+    ).to(device)

@@ -1,0 +1,184 @@
+"""The patch, documented once here.
+
+Target
+    ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
+    ``DecodeBenchConnectorWorker._fill_blocks`` is replaced by :func:`fill_blocks`;
+    ``DecodeBenchConnector.register_kv_caches`` is wrapped by
+    :func:`register_kv_caches`, which runs upstream's method and then records
+    the cache layout and the real KV-cache groups on the worker.
+
+Why
+    DecodeBenchConnector fills the KV cache with dummy values so decode can be
+    benchmarked without prefill. On hybrid / linear-attention models (Mamba,
+    Qwen3-Next GDN, Kimi-Linear KDA) a layer's cache is a list/tuple of state
+    tensors, and ``_fill_blocks`` crashes with ``'list' object has no attribute
+    'device'`` (0.11.1 - 0.23.x). Upstream #45080 (0.24.0) stops the crash by
+    filling each state tensor whole, but state tensors are block-indexed views
+    over memory pools shared with other layers: the whole-tensor fill
+    overwrites every other request's state and attention pages and writes a
+    whole pool per Mamba layer per request. In the same releases every layer
+    is mapped to group 0, so Mamba layers are filled at the attention group's
+    block ids, and FlashAttention's ``(2, num_blocks, ...)`` cache (<= 0.22)
+    is indexed on dim 0. The attention path also builds a temporary the size
+    of the filled region and scatters it.
+
+How
+    Each layer of the group being filled gets exactly the rows of that
+    group's block ids, along the cache's true block dimension (see
+    ``vllm_kvfill_patch.fill``), in place with bounded scratch memory. A tensor
+    cache goes to the block-row fill, a list/tuple of tensors to the state
+    fill, anything else is skipped with one warning per layer. The group map
+    comes from ``kv_cache_config.kv_cache_groups`` where upstream collapsed it
+    to group 0; the block count from ``kv_cache_config.num_blocks``.
+
+Upstream
+    #25986 (the connector), #45080 (the whole-tensor state fill, 0.24.0),
+    #54647 (per-group map, 0.30.0), #57751 (fill only allocated Mamba blocks).
+    The same change as a ``git format-patch`` file: ``patches/``.
+
+Versions
+    Applies to vLLM 0.11.1 - 0.29.x; inert before (no connector) and from
+    0.30.0 (upstream's own per-group fill). See ``gating.SUPPORT_POLICY``.
+
+Remove when
+    The oldest vLLM you run is 0.30.0 or newer, or carries the block-indexed
+    state fill (upstream main after 0.33.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_kvfill_patch.fill import (
+    FillReport,
+    FillValue,
+    Written,
+    fill_cache_blocks_,
+    fill_state_blocks_,
+)
+
+logger = init_logger("vllm.kvfill_patch")
+
+LAYOUT_ATTR = "_kvfill_layout"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the fill needs to know about the worker's KV caches."""
+
+    num_blocks: int | None
+    encoding: torch.dtype | None
+    """The dtype a uint8 cache's bytes encode (fp8 KV caches), if any."""
+
+
+def fill_blocks(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
+    """Replacement for ``DecodeBenchConnectorWorker._fill_blocks``."""
+    group_idx, block_ids = _fill_blocks_arguments(*args, **kwargs)
+    if not block_ids or not worker.kv_caches or not worker.group_to_layers:
+        return
+    layout = getattr(worker, LAYOUT_ATTR, None) or layout_from(worker, None)
+    if layout.num_blocks is None:
+        logger.warning_once(
+            "vllm-kvfill-patch: the KV-cache block count is unknown (no "
+            "KV-cache config, cache_config.num_gpu_blocks unset); not filling"
+        )
+        return
+    value = FillValue(worker.fill_mean, worker.fill_std, layout.encoding)
+    for layer_name in worker.group_to_layers.get(group_idx, []):
+        cache = worker.kv_caches.get(layer_name)
+        if isinstance(cache, torch.Tensor):
+            report = fill_cache_blocks_(cache, block_ids, layout.num_blocks, value)
+            _log_report(layer_name, report, cache)
+        elif isinstance(cache, (list, tuple)) and all(
+            isinstance(state, torch.Tensor) for state in cache
+        ):
+            reports = fill_state_blocks_(cache, block_ids, layout.num_blocks, value)
+            for state, report in zip(cache, reports, strict=True):
+                _log_report(layer_name, report, state)
+        else:
+            logger.warning_once(
+                "vllm-kvfill-patch: layer %s has a KV cache of type %s, not a "
+                "tensor or a list/tuple of tensors; not filling it",
+                layer_name,
+                type(cache).__name__,
+            )
+
+
+def register_kv_caches(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``DecodeBenchConnector.register_kv_caches``."""
+    result = wrapped(*args, **kwargs)
+    worker = getattr(connector, "connector_worker", None)
+    if worker is None:
+        return result
+    kv_cache_config = getattr(connector, "_kv_cache_config", None)
+    setattr(worker, LAYOUT_ATTR, layout_from(worker, kv_cache_config))
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1 and set(worker.group_to_layers or {}) <= {0}:
+        worker.group_to_layers = {
+            group_idx: [name for name in group.layer_names if name in worker.kv_caches]
+            for group_idx, group in enumerate(groups)
+        }
+    return result
+
+
+def layout_from(worker: Any, kv_cache_config: Any) -> CacheLayout:
+    """The layout from the KV-cache config, else from vLLM's cache config.
+
+    ``kv_cache_config.num_blocks`` is the count the worker allocated these very
+    tensors with, so it wins; ``cache_config.num_gpu_blocks`` is the engine's
+    copy, unset in a worker spawned before profiling and changed by
+    ``num_gpu_blocks_override``.
+    """
+    cache_config = worker.vllm_config.cache_config
+    num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    if num_blocks is None:
+        num_blocks = cache_config.num_gpu_blocks
+    return CacheLayout(num_blocks, fp8_encoding(str(cache_config.cache_dtype)))
+
+
+def fp8_encoding(cache_dtype: str) -> torch.dtype | None:
+    """The fp8 format vLLM stores as uint8 for a ``--kv-cache-dtype`` value."""
+    if not cache_dtype.startswith("fp8"):
+        return None
+    return torch.float8_e5m2 if "e5m2" in cache_dtype else torch.float8_e4m3fn
+
+
+WRAPPERS = {
+    "DecodeBenchConnectorWorker._fill_blocks": fill_blocks,
+    "DecodeBenchConnector.register_kv_caches": register_kv_caches,
+}
+"""The attributes the patch wraps, by dotted path in the connector module."""
+
+
+def _fill_blocks_arguments(
+    group_idx: int, block_ids: list[int], num_tokens: int = 0
+) -> tuple[int, list[int]]:
+    return group_idx, block_ids
+
+
+def _log_report(layer_name: str, report: FillReport, tensor: torch.Tensor) -> None:
+    if report.written is Written.NO_BLOCK_DIM:
+        logger.warning_once(
+            "vllm-kvfill-patch: layer %s has a KV cache of shape %s with no "
+            "block dimension; not filling it",
+            layer_name,
+            tuple(tensor.shape),
+        )
+    if report.written is Written.WHOLE_TENSOR:
+        logger.warning_once(
+            "vllm-kvfill-patch: a state tensor of layer %s, shape %s, has no "
+            "block dimension; filled it whole",
+            layer_name,
+            tuple(tensor.shape),
+        )
+    if report.zeroed:
+        logger.warning_once(
+            "vllm-kvfill-patch: layer %s has an integer cache (%s) that cannot "
+            "hold the fill value; wrote zeros",
+            layer_name,
+            tensor.dtype,
+        )
