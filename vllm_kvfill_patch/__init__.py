@@ -56,15 +56,17 @@ _logged = False
 def apply() -> PatchStatus:
     """Patch the connector now if it is imported, else when it is imported.
 
-    Idempotent and thread-safe; never raises.
+    Idempotent and thread-safe; never raises. With the kill switch set it
+    removes the patch instead and reports ``disabled``.
     """
+    global _wanted
     with _lock:
         if _kill_switch_on():
-            _decide(
-                PatchStatus(_vllm_version(), Decision.DISABLED, f"{KILL_SWITCH} is set")
-            )
-            return _status
-        _register_hook()
+            _wanted = False
+            _uninstall(sys.modules.get(CONNECTOR_MODULE))
+            _decide(Decision.DISABLED, f"{KILL_SWITCH} is set")
+        else:
+            _register_hook()
         return _status
 
 
@@ -75,9 +77,7 @@ def revert() -> PatchStatus:
         _wanted = False
         _uninstall(sys.modules.get(CONNECTOR_MODULE))
         if _status.decision in (Decision.APPLIED, Decision.PENDING):
-            _decide(
-                PatchStatus(_vllm_version(), Decision.INERT, "reverted by revert()")
-            )
+            _decide(Decision.INERT, "reverted by revert()")
         return _status
 
 
@@ -99,20 +99,11 @@ def load_vllm_plugin() -> None:
         if _connector_exists():
             importlib.import_module(CONNECTOR_MODULE)
         else:
-            _decide(
-                PatchStatus(
-                    _vllm_version(),
-                    Decision.INERT,
-                    "no DecodeBenchConnector in this vLLM (or no vLLM)",
-                )
-            )
+            _decide(Decision.INERT, "no DecodeBenchConnector in this vLLM (or no vLLM)")
     except Exception as exc:  # noqa: BLE001 - a plugin must never break vLLM
         _decide(
-            PatchStatus(
-                _vllm_version(),
-                Decision.REFUSED,
-                f"could not import the connector: {type(exc).__name__}: {exc}",
-            )
+            Decision.REFUSED,
+            f"could not import the connector: {type(exc).__name__}: {exc}",
         )
 
 
@@ -133,21 +124,17 @@ def _on_connector_import(module: ModuleType) -> None:
         _hook_registered = False
         if not _wanted or _handles:
             return
-        version = _vllm_version()
+        if _kill_switch_on():  # set after this package was imported
+            _decide(Decision.DISABLED, f"{KILL_SWITCH} is set")
+            return
         try:
-            verdict = judge(module, version)
+            verdict = judge(module, _vllm_version())
             if verdict.decision is Decision.APPLIED:
                 _install(module)
-            _decide(PatchStatus(version, verdict.decision, verdict.reason))
+            _decide(verdict.decision, verdict.reason)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's import
             _uninstall(module)
-            _decide(
-                PatchStatus(
-                    version,
-                    Decision.REFUSED,
-                    f"installing failed: {type(exc).__name__}: {exc}",
-                )
-            )
+            _decide(Decision.REFUSED, f"installing failed: {type(exc).__name__}: {exc}")
 
 
 def _install(module: ModuleType) -> None:
@@ -164,9 +151,10 @@ def _uninstall(module: ModuleType | None) -> None:
         del _handles[path]
 
 
-def _decide(new_status: PatchStatus) -> None:
+def _decide(decision: Decision, reason: str) -> None:
     """Record a decision; log it when it is news in this process."""
     global _status, _logged
+    new_status = PatchStatus(_vllm_version(), decision, reason)
     if _logged and new_status == _status:
         return
     _status, _logged = new_status, True
@@ -190,12 +178,8 @@ def _connector_exists() -> bool:
 
 
 def _kill_switch_on() -> bool:
-    return os.environ.get(KILL_SWITCH, "").strip().lower() not in (
-        "",
-        "0",
-        "false",
-        "no",
-    )
+    value = os.environ.get(KILL_SWITCH, "").strip().lower()
+    return value not in ("", "0", "false", "no")
 
 
 def _vllm_version() -> str | None:
@@ -203,6 +187,9 @@ def _vllm_version() -> str | None:
     return getattr(vllm, "__version__", None) if vllm is not None else None
 
 
+# Importing the package is the first way to use it: register the hook now.
+# With the kill switch set, the status says so without a log line (vLLM's
+# logging may not be configured yet); apply() and the plugin log it.
 with _lock:
     if _kill_switch_on():
         _status = PatchStatus(None, Decision.DISABLED, f"{KILL_SWITCH} is set")
