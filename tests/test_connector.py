@@ -1,4 +1,10 @@
-"""The patch on the real DecodeBenchConnector of the installed vLLM, in process."""
+"""The fill on the real DecodeBenchConnector of the installed vLLM, in process.
+
+Tests marked ``behaviour`` run against two implementations: the overlay on
+upstream's file (the default), and upstream's file with a patch from
+``patches/`` applied, loaded in its place without the overlay (conftest,
+``KVFILL_CONNECTOR_FILE``). The others are about the overlay itself.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import pytest
 import torch
 
 import vllm_kvfill_patch
+from tests.conftest import PATCHED_CONNECTOR_FILE
 from tests.hybrid import (
     ATTENTION_DTYPE,
     ATTENTION_GROUP,
@@ -26,25 +33,31 @@ from vllm_kvfill_patch import Decision
 NUM_BLOCKS = 12
 
 
-@pytest.fixture(autouse=True)
-def patched(vllm_version):
-    """Every test starts with the patch applied, and leaves it applied."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
-        decode_bench_connector,
-    )
+behaviour = pytest.mark.behaviour
 
+
+@pytest.fixture(autouse=True)
+def implementation(vllm_version):
+    """The overlay, applied (and left applied), or the patched upstream file."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    if PATCHED_CONNECTOR_FILE:
+        assert decode_bench_connector.__file__ == PATCHED_CONNECTOR_FILE
+        assert vllm_kvfill_patch.status().decision is Decision.DISABLED
+        yield "patch file"
+        return
     assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
-    yield
+    yield "overlay"
     vllm_kvfill_patch.apply()
 
 
 @pytest.fixture
 def patch_log():
-    """Records what the patch logs (vLLM's own logger does not propagate)."""
+    """Records what vLLM's loggers (the patch's among them) say."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("vllm.kvfill_patch")
+    logger = logging.getLogger("vllm")
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
@@ -67,6 +80,7 @@ def test_without_the_patch_a_list_state_cache_crashes(vllm_config_for):
         start_fill(connector, {"r": (([1], [2]), 16)})
 
 
+@behaviour
 @pytest.mark.parametrize(
     "state_shapes,states_as",
     [(GDN_STATES, list), (KDA_STATES, tuple)],
@@ -94,6 +108,7 @@ def test_each_layer_gets_its_own_groups_rows_and_nothing_else(
     )
 
 
+@behaviour
 def test_upstream_group_zero_map_is_replaced_by_the_real_groups(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)
     connector = make_worker_connector(vllm_config_for(), pool)
@@ -103,6 +118,7 @@ def test_upstream_group_zero_map_is_replaced_by_the_real_groups(vllm_config_for)
     }
 
 
+@behaviour
 def test_a_second_request_leaves_the_first_requests_blocks_alone(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)
     connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
@@ -112,6 +128,7 @@ def test_a_second_request_leaves_the_first_requests_blocks_alone(vllm_config_for
     expect_only_pages_changed(pool, after_first, {4, 5, 6})
 
 
+@behaviour
 def test_random_fill_gives_normal_values(vllm_config_for):
     pool = make_pool(64)
     connector = make_worker_connector(
@@ -128,6 +145,7 @@ def test_random_fill_gives_normal_values(vllm_config_for):
     assert conv_state.unique().numel() > 100
 
 
+@behaviour
 def test_flashattention_kv_first_layout_fills_the_block_dimension(vllm_config_for):
     pool = make_pool(NUM_BLOCKS, kv_first=True)
     connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
@@ -142,6 +160,7 @@ def test_flashattention_kv_first_layout_fills_the_block_dimension(vllm_config_fo
             assert torch.equal(row.view(torch.int16), old.view(torch.int16))
 
 
+@behaviour
 def test_invalid_null_and_duplicate_ids(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)
     connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
@@ -152,6 +171,7 @@ def test_invalid_null_and_duplicate_ids(vllm_config_for):
     expect_only_pages_changed(pool, before, {2})
 
 
+@behaviour
 def test_non_tensor_cache_warns_once_and_other_layers_still_fill(
     vllm_config_for, patch_log
 ):
@@ -170,6 +190,7 @@ def test_non_tensor_cache_warns_once_and_other_layers_still_fill(
     expect_only_pages_changed(pool, before, {1, 2, 3, 4})
 
 
+@behaviour
 def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     config = vllm_config_for(fill_mean=0.5)
     pool = make_pool(NUM_BLOCKS)
@@ -179,9 +200,9 @@ def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     config.cache_config.cache_dtype = "fp8_e4m3"
     try:
         connector = make_worker_connector(config, pool)
+        start_fill(connector, {"r": (([2], []), 16)})
     finally:
         config.cache_config.cache_dtype = original
-    start_fill(connector, {"r": (([2], []), 16)})
     expected = torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert (fp8_cache[2] == expected).all()
     assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
@@ -239,6 +260,7 @@ def test_status_reports_version_and_reason(vllm_version):
     assert "list/tuple" in current.reason
 
 
+@behaviour
 def test_fill_values_are_the_cache_dtype(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)
     connector = make_worker_connector(vllm_config_for(), pool)

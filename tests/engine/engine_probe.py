@@ -1,0 +1,140 @@
+"""Runs the tiny hybrid model on a real vLLM engine and prints a JSON report.
+
+    python engine_probe.py '{"in_process": true, "import_overlay": true, ...}'
+
+Options: ``in_process`` (engine core and worker in this process),
+``import_overlay`` (import vllm_kvfill_patch here; otherwise only vLLM's
+plugin entry point can apply it), ``spy`` (record, at every fill, which rows
+of which layer changed; needs ``in_process``), ``tensor_parallel``.
+The last stdout line is the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+
+def worker_report(worker=None) -> dict:
+    """Runs inside each worker (collective_rpc): what the patch did there."""
+    import wrapt
+    from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    loaded_by_plugin = "vllm_kvfill_patch" in sys.modules
+    import vllm_kvfill_patch
+
+    fill_blocks = decode_bench_connector.DecodeBenchConnectorWorker.__dict__[
+        "_fill_blocks"
+    ]
+    return {
+        "pid": os.getpid(),
+        "package_loaded_before_this_call": loaded_by_plugin,
+        "decision": vllm_kvfill_patch.status().decision.value,
+        "wrappers": len(list(wrapt.wrapper_chain(fill_blocks))) - 1,
+    }
+
+
+def install_spy(fills: list) -> None:
+    """An outermost wrapper on _fill_blocks comparing every cache before/after."""
+    import torch
+    import wrapt
+    from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    def tensors(cache):
+        return list(cache) if isinstance(cache, (list, tuple)) else [cache]
+
+    def block_dim(tensor, num_blocks):
+        return next(d for d, size in enumerate(tensor.shape) if size == num_blocks)
+
+    def spy(wrapped, worker, args, kwargs):
+        group_idx, block_ids = args[0], args[1]
+        before = {
+            name: [t.clone() for t in tensors(cache)]
+            for name, cache in worker.kv_caches.items()
+        }
+        result = wrapped(*args, **kwargs)
+        num_blocks = worker._kvfill_layout.num_blocks
+        changed = {}
+        for name, cache in worker.kv_caches.items():
+            rows = set()
+            for old, new in zip(before[name], tensors(cache), strict=True):
+                dim = block_dim(new, num_blocks)
+                differs = (old != new).movedim(dim, 0).reshape(num_blocks, -1).any(1)
+                rows |= set(differs.nonzero().flatten().tolist())
+            changed[name] = sorted(rows)
+        filled_values_ok = all(
+            bool(
+                (t.movedim(block_dim(t, num_blocks), 0)[b].float() - 0.015).abs().max()
+                < 1e-3
+            )
+            for name in worker.group_to_layers[group_idx]
+            for t in tensors(worker.kv_caches[name])
+            for b in block_ids
+            if 0 < b < num_blocks
+        )
+        fills.append(
+            {
+                "group": group_idx,
+                "block_ids": list(block_ids),
+                "group_layers": list(worker.group_to_layers[group_idx]),
+                "changed_rows": changed,
+                "filled_values_ok": filled_values_ok,
+            }
+        )
+        return result
+
+    wrapt.wrap_function_wrapper(
+        decode_bench_connector, "DecodeBenchConnectorWorker._fill_blocks", spy
+    )
+    del torch
+
+
+def main(options: dict) -> dict:
+    # collective_rpc ships worker_report (a function) to worker processes.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if options.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if options.get("import_overlay"):
+        import vllm_kvfill_patch  # noqa: F401
+    from vllm import LLM, SamplingParams
+
+    from vllm_kvfill_patch.demo import engine_arguments, prompts, write_tiny_model
+
+    fills: list = []
+    if options.get("spy"):
+        from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
+            decode_bench_connector,
+        )
+
+        install_spy(fills)
+    overrides = {}
+    if options.get("in_process"):
+        overrides["distributed_executor_backend"] = "uni"
+    if options.get("tensor_parallel", 1) > 1:
+        overrides["tensor_parallel_size"] = options["tensor_parallel"]
+        overrides["distributed_executor_backend"] = "mp"
+    report: dict = {"fills": fills}
+    with tempfile.TemporaryDirectory() as scratch:
+        model = write_tiny_model(Path(scratch) / "tiny-qwen3-next")
+        llm = LLM(**engine_arguments(model, **overrides))
+        report["workers"] = llm.collective_rpc(worker_report)
+        try:
+            outputs = llm.generate(
+                prompts(100, 3) + prompts(40, 2),
+                SamplingParams(max_tokens=6, ignore_eos=True),
+                use_tqdm=False,
+            )
+            report["generated"] = [len(o.outputs[0].token_ids) for o in outputs]
+        except Exception as exc:  # noqa: BLE001 - the report carries it
+            report["error"] = traceback.format_exception_only(exc)[-1].strip()
+            report["error_chain"] = traceback.format_exc()
+    report["overlay_imported_in_main"] = bool(options.get("import_overlay"))
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)

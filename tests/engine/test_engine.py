@@ -1,0 +1,174 @@
+"""A real vLLM engine on the CPU, the tiny hybrid model, DecodeBenchConnector."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
+
+PROBE = Path(__file__).with_name("engine_probe.py")
+LIST_CRASH = "'list' object has no attribute 'device'"
+RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"
+ENGINE_SESSION = "python -m nox -s engine-0.23.0"
+
+
+def run_probe(options: dict, env: dict | None = None, timeout: float = 400) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and lines, (
+        f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
+    report = json.loads(lines[-1])
+    report["log"] = result.stdout + result.stderr
+    return report
+
+
+def test_without_the_overlay_the_engine_fails_with_the_list_error():
+    report = run_probe({"in_process": True}, env={"KVFILL_PATCH_DISABLE": "1"})
+    assert report["workers"][0]["decision"] == "disabled"
+    assert "generated" not in report
+    assert LIST_CRASH in report["error_chain"]
+
+
+def test_in_process_engine_fills_each_layers_own_group_rows_only():
+    report = run_probe({"in_process": True, "import_overlay": True, "spy": True})
+    assert report["generated"] == [6] * 5
+    fills = report["fills"]
+    groups = {fill["group"]: tuple(fill["group_layers"]) for fill in fills}
+    assert sorted(groups.values()) == [
+        ("model.layers.0.linear_attn",),
+        ("model.layers.1.self_attn.attn",),
+    ]
+    assert len(fills) == 2 * 5  # one fill per group per request
+    for fill in fills:
+        requested = sorted(set(fill["block_ids"]))
+        # The pools are shared: a page written through one layer's view
+        # shows in the other's at the same row, and nowhere else.
+        for rows in fill["changed_rows"].values():
+            assert set(rows) <= set(requested)
+        for layer in fill["group_layers"]:
+            assert fill["changed_rows"][layer] == requested
+        assert fill["filled_values_ok"]
+    state_blocks = [b for f in fills for b in f["block_ids"]]
+    assert len(state_blocks) == len(set(state_blocks))  # no request's row reused
+
+
+def test_multiprocess_engine_is_patched_by_the_entry_point_alone():
+    report = run_probe({})
+    assert report["generated"] == [6] * 5
+    (worker,) = report["workers"]
+    assert worker["pid"] != os.getpid()
+    assert worker["package_loaded_before_this_call"] is True
+    assert worker["decision"] == "applied" and worker["wrappers"] == 1
+    assert (
+        "EngineCore" in report["log"] and "vllm-kvfill-patch applied" in report["log"]
+    )
+
+
+def test_tensor_parallel_two_workers_each_apply_the_patch():
+    report = run_probe(
+        {"tensor_parallel": 2},
+        # vLLM's CPU workers bind one NUMA node each unless told which cores.
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    assert report["generated"] == [6] * 5
+    workers = report["workers"]
+    assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
+    for worker in workers:
+        assert worker["package_loaded_before_this_call"] is True
+        assert worker["decision"] == "applied" and worker["wrappers"] == 1
+
+
+def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
+    target = os.environ.get(RELEASE_0_24_PATH)
+    if not target:
+        pytest.fail(f"{RELEASE_0_24_PATH} is unset; run: {ENGINE_SESSION}")
+    report = run_probe(
+        {"in_process": True, "spy": True},
+        env={
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [target, os.environ.get("PYTHONPATH")])
+            )
+        },
+    )
+    assert (
+        "vLLM 0.24.0: _fill_blocks fills list/tuple state tensors whole"
+        in report["log"]
+    )
+    assert report["workers"][0]["decision"] == "applied"
+    assert report["generated"] == [6] * 5
+    for fill in report["fills"]:
+        for rows in fill["changed_rows"].values():
+            assert set(rows) <= set(fill["block_ids"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_openai_server_completes_through_decode_bench_connector(tmp_path):
+    # vllm-cpu 0.23.0's `vllm` console script asks importlib.metadata for the
+    # distribution "vllm", which a vllm-cpu install does not have; `vllm
+    # serve` runs this same module.
+    model = write_tiny_model(tmp_path / "tiny-qwen3-next")
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "256",
+        "--enforce-eager", "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32",
+        "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+        "--kv-transfer-config", json.dumps(DECODE_BENCH_CONNECTOR),
+    ]  # fmt: skip
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, log.read_text()[-5000:]
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        body = {
+            "model": str(model),
+            "prompt": list(range(1, 101)),
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"{base}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.status == 200
+            completion = json.load(response)
+        assert completion["usage"]["completion_tokens"] == 5
+    finally:
+        server.terminate()
+        server.wait(60)
+    assert "vllm-kvfill-patch applied" in log.read_text()
