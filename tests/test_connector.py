@@ -24,11 +24,13 @@ from tests.hybrid import (
     LINEAR_GROUP,
     LINEAR_LAYER,
     PAGE_BYTES,
+    make_kv_cache_config,
     make_pool,
     make_worker_connector,
     start_fill,
 )
 from vllm_kvfill_patch import Decision
+from vllm_kvfill_patch.gating import parse_release
 
 NUM_BLOCKS = 12
 
@@ -70,14 +72,22 @@ def expect_only_pages_changed(pool, before: torch.Tensor, changed: set[int]) -> 
         assert same != (block_id in changed), f"block {block_id}"
 
 
-def test_without_the_patch_a_list_state_cache_crashes(vllm_config_for):
+def test_without_the_patch_upstream_fails_on_a_list_state_cache(
+    vllm_config_for, vllm_version
+):
     # Building a VllmConfig loads vLLM's plugins, this package's among them.
     vllm_config = vllm_config_for()
     vllm_kvfill_patch.revert()
     pool = make_pool(NUM_BLOCKS)
     connector = make_worker_connector(vllm_config, pool)
-    with pytest.raises(AttributeError, match="'list' object has no attribute 'device'"):
+    before = pool.raw.clone()
+    if parse_release(vllm_version) < (0, 24, 0):
+        with pytest.raises(AttributeError, match="'list' object has no attribute"):
+            start_fill(connector, {"r": (([1], [2]), 16)})
+    else:
+        # #45080: each state tensor filled whole, over every block's page.
         start_fill(connector, {"r": (([1], [2]), 16)})
+        expect_only_pages_changed(pool, before, set(range(NUM_BLOCKS)))
 
 
 @behaviour
@@ -146,6 +156,7 @@ def test_random_fill_gives_normal_values(vllm_config_for):
 
 
 @behaviour
+@pytest.mark.kv_first_layout
 def test_flashattention_kv_first_layout_fills_the_block_dimension(vllm_config_for):
     pool = make_pool(NUM_BLOCKS, kv_first=True)
     connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
@@ -199,7 +210,8 @@ def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     original = config.cache_config.cache_dtype
     config.cache_config.cache_dtype = "fp8_e4m3"
     try:
-        connector = make_worker_connector(config, pool)
+        kv_cache_config = make_kv_cache_config(pool, fp8_attention=True)
+        connector = make_worker_connector(config, pool, kv_cache_config)
         start_fill(connector, {"r": (([2], []), 16)})
     finally:
         config.cache_config.cache_dtype = original
