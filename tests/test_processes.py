@@ -6,7 +6,7 @@ from textwrap import dedent
 
 import pytest
 
-from tests.conftest import applied_reason, run_fresh
+from tests.conftest import applied_reason, run_fresh, status_command
 
 # Prints the state of the real methods as the last line of the child's stdout.
 REPORT = """
@@ -54,6 +54,18 @@ def test_import_order_matrix(order, vllm_version):
     # One decision line per process; revert and re-apply each log their change.
     expected_lines = 2 if order == "revert-then-apply" else 1
     assert report["stdout"].count("vllm-kvfill-patch applied") == expected_lines
+
+
+def test_importing_the_package_imports_neither_vllm_nor_torch():
+    code = """
+    import json, sys
+    import vllm_kvfill_patch
+    status = vllm_kvfill_patch.status()
+    loaded = sorted(m for m in ("vllm", "torch") if m in sys.modules)
+    print(json.dumps({"loaded": loaded, "decision": status.decision.value}))
+    """
+    report = run_fresh(dedent(code))
+    assert report["loaded"] == [] and report["decision"] == "pending"
 
 
 def test_revert_leaves_upstream_methods_in_a_fresh_interpreter():
@@ -168,13 +180,7 @@ def test_a_failing_hook_is_contained_and_the_import_succeeds():
 
 
 def test_status_command_prints_the_decision(vllm_version):
-    report = run_fresh(
-        "import runpy, json, io, contextlib\n"
-        "out = io.StringIO()\n"
-        "with contextlib.redirect_stdout(out):\n"
-        "    runpy.run_module('vllm_kvfill_patch', run_name='__main__')\n"
-        "print(json.dumps({'out': out.getvalue()}))\n"
-    )
-    assert f"vLLM version: {vllm_version}" in report["out"]
-    assert "decision:     applied" in report["out"]
-    assert "patches" in report["out"]
+    out = status_command()
+    assert f"vLLM version: {vllm_version}" in out
+    assert "decision:     applied" in out
+    assert "patches" in out

