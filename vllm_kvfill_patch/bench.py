@@ -41,6 +41,7 @@ class Case:
     filled_bytes: int
     std: float
     num_blocks: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -67,6 +68,7 @@ def attention_case(name: str, block_ids: list[int], std: float) -> Case:
         len(set(block_ids)) * block_bytes,
         std,
         ATTENTION_BLOCKS,
+        torch.bfloat16,
     )
 
 
@@ -95,6 +97,7 @@ def state_case(num_blocks: int) -> Case:
         page_elements * 4,
         0.0,
         num_blocks,
+        torch.float32,
     )
 
 
@@ -181,7 +184,7 @@ def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dic
     from vllm_kvfill_patch.replacement import fill_blocks
 
     limit_buffer = torch.empty(case.filled_bytes, dtype=torch.uint8, device=device)
-    limit_view = limit_buffer.view(torch.float32 if case.std == 0 else torch.bfloat16)
+    limit_view = limit_buffer.view(case.dtype)
 
     def limit():
         if case.std > 0:
@@ -239,7 +242,7 @@ def format_row(case: Case, result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--mean", type=float, default=0.015)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
