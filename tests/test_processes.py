@@ -141,26 +141,43 @@ def test_kill_switch_leaves_vllm_untouched(case):
     assert "vllm-kvfill-patch disabled" in report["stdout"]
 
 
-def test_changed_signature_is_refused_logged_and_vllm_still_imports():
+UNKNOWN_TARGETS = {
+    # name: (replacement _fill_blocks source, expected words of the reason)
+    "changed-signature": (
+        "def _fill_blocks(self, group_idx, block_ids):\n    pass",
+        "found _fill_blocks('self', 'group_idx', 'block_ids')",
+    ),
+    "writes-nothing": (
+        "def _fill_blocks(self, group_idx, block_ids, num_tokens):\n    pass",
+        "it wrote nothing",
+    ),
+    "raises-otherwise": (
+        "def _fill_blocks(self, group_idx, block_ids, num_tokens):\n"
+        "    raise KeyError('layout')",
+        "it raised KeyError",
+    ),
+}
+
+
+@pytest.mark.parametrize("target", UNKNOWN_TARGETS)
+def test_unknown_target_is_refused_logged_and_vllm_still_imports(target):
     # A post-import hook registered first runs first: it plays a vLLM whose
-    # _fill_blocks has another signature, before the patch's hook sees it.
+    # _fill_blocks is not one this package knows, before the patch's hook.
+    source, reason = UNKNOWN_TARGETS[target]
     code = f"""
     import wrapt
-    def change_signature(module):
-        def _fill_blocks(self, group_idx, block_ids):
-            pass
-        module.DecodeBenchConnectorWorker._fill_blocks = _fill_blocks
-    wrapt.register_post_import_hook(change_signature, "{CONNECTOR}")
+    def change_target(module):
+        namespace = {{}}
+        exec({source!r}, namespace)
+        module.DecodeBenchConnectorWorker._fill_blocks = namespace["_fill_blocks"]
+    wrapt.register_post_import_hook(change_target, "{CONNECTOR}")
     import vllm_kvfill_patch
     import {CONNECTOR}
     """
     report = run_fresh(dedent(code) + REPORT)
     assert report["fill_blocks_wrappers"] == 0 and report["register_wrappers"] == 0
     assert report["status"]["decision"] == "refused"
-    assert (
-        "found _fill_blocks('self', 'group_idx', 'block_ids')"
-        in report["status"]["reason"]
-    )
+    assert reason in report["status"]["reason"]
     assert "vllm-kvfill-patch refused" in report["stdout"]
 
 
