@@ -6,7 +6,12 @@ from textwrap import dedent
 
 import pytest
 
-from tests.conftest import applied_reason, run_fresh, status_command
+from tests.conftest import (
+    applied_reason,
+    patches_by_release,
+    run_fresh,
+    status_command,
+)
 
 # Prints the state of the real methods as the last line of the child's stdout.
 REPORT = """
@@ -200,4 +205,8 @@ def test_status_command_prints_the_decision(vllm_version):
     out = status_command()
     assert f"vLLM version: {vllm_version}" in out
     assert "decision:     applied" in out
-    assert "patches" in out
+    patch = patches_by_release().get(vllm_version)
+    if patch:
+        assert f"patch file:   {patch} (for this release)" in out
+    else:
+        assert "patch files:  " in out and "patches/" in out

@@ -16,10 +16,13 @@ def main() -> None:
     print(f"decision:     {current.decision.value}")
     print(f"reason:       {current.reason}")
     patches = sorted(PATCHES_DIR.glob("*.patch")) if PATCHES_DIR.is_dir() else []
-    print(
-        "patch files:  "
-        + (", ".join(map(str, patches)) or "in the source tree's patches/")
-    )
+    for_release = [p for p in patches if p.stem.endswith(f"-v{current.vllm_version}")]
+    if for_release:
+        print(f"patch file:   {for_release[0]} (for this release)")
+    elif patches:
+        print(f"patch files:  {', '.join(map(str, patches))}")
+    else:
+        print("patch files:  patches/ of the source distribution")
 
 
 if __name__ == "__main__":
