@@ -1,4 +1,4 @@
-"""Test sessions on real vLLM wheels: `python -m nox` runs them all.
+"""Test sessions on real vLLM wheels: `python -m nox` runs the default ones.
 
 Environments are cached outside the checkout (``$KVFILL_CACHE``, default
 ``~/.cache/vllm-kvfill-patch``) so later runs and CI on the same machine

@@ -29,6 +29,7 @@ from vllm_kvfill_patch.gating import CONNECTOR_MODULE, Decision, judge
 __all__ = ["Decision", "PatchStatus", "apply", "load_vllm_plugin", "revert", "status"]
 
 KILL_SWITCH = "KVFILL_PATCH_DISABLE"
+_DISABLED_REASON = f"{KILL_SWITCH} is set"
 
 # Under vLLM's logger namespace, so vLLM's handlers and levels apply.
 logger = logging.getLogger("vllm.kvfill_patch")
@@ -64,7 +65,7 @@ def apply() -> PatchStatus:
         if _kill_switch_on():
             _wanted = False
             _uninstall(sys.modules.get(CONNECTOR_MODULE))
-            _decide(Decision.DISABLED, f"{KILL_SWITCH} is set")
+            _decide(Decision.DISABLED, _DISABLED_REASON)
         else:
             _register_hook()
         return _status
@@ -125,7 +126,7 @@ def _on_connector_import(module: ModuleType) -> None:
         if not _wanted or _handles:
             return
         if _kill_switch_on():  # set after this package was imported
-            _decide(Decision.DISABLED, f"{KILL_SWITCH} is set")
+            _decide(Decision.DISABLED, _DISABLED_REASON)
             return
         try:
             verdict = judge(module, _vllm_version())
@@ -192,6 +193,6 @@ def _vllm_version() -> str | None:
 # logging may not be configured yet); apply() and the plugin log it.
 with _lock:
     if _kill_switch_on():
-        _status = PatchStatus(None, Decision.DISABLED, f"{KILL_SWITCH} is set")
+        _status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
     else:
         _register_hook()
