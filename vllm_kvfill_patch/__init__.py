@@ -9,6 +9,12 @@ module's structure whether the patch is needed (``gating``) and installs it
 vLLM process, so spawned engine-core and worker processes are patched too.
 
 Set ``KVFILL_PATCH_DISABLE=1`` to leave vLLM untouched.
+
+Promises, whatever other patches sit on the same methods: :func:`apply`,
+:func:`revert`, :func:`status`, the plugin entry and the import hook never
+raise. Where another library's plain (non-wrapt) wrapper sits above ours,
+ours cannot be taken out; it then passes every call straight to what it
+wraps, and the status says so.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import wrapt
 
@@ -44,48 +51,73 @@ class PatchStatus:
     reason: str
 
 
-_lock = threading.RLock()
-_hook_registered = False
-_wanted = False
-_handles: dict[str, wrapt.FunctionWrapper] = {}
-_status = PatchStatus(
-    None, Decision.PENDING, "the connector module is not imported yet"
-)
-_logged = False
+@dataclass
+class _Installer:
+    """This process's patch state; every field is read and written under `lock`."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    wanted: bool = False
+    """apply() was called (or the package imported) and revert() was not."""
+    hook_registered: bool = False
+    handles: dict[str, wrapt.FunctionWrapper] = field(default_factory=dict)
+    """Our wrappers in the connector module, by dotted path: the handles that
+    remove exactly them. A handle stays here while ours cannot be removed."""
+    applied_reason: str = ""
+    """Why the gating applied the patch, for when a kept wrapper is re-armed."""
+    status: PatchStatus = PatchStatus(
+        None, Decision.PENDING, "the connector module is not imported yet"
+    )
+    logged: bool = False
+
+
+_installer = _Installer()
 
 
 def apply() -> PatchStatus:
     """Patch the connector now if it is imported, else when it is imported.
 
     Idempotent and thread-safe; never raises. With the kill switch set it
-    removes the patch instead and reports ``disabled``.
+    takes the patch out instead and reports ``disabled``.
     """
-    global _wanted
-    with _lock:
-        if _kill_switch_on():
-            _wanted = False
-            _uninstall(sys.modules.get(CONNECTOR_MODULE))
-            _decide(Decision.DISABLED, _DISABLED_REASON)
-        else:
-            _register_hook()
-        return _status
+    with _installer.lock:
+        try:
+            if _kill_switch_on():
+                _installer.wanted = False
+                leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
+                _decide(Decision.DISABLED, _DISABLED_REASON + leftover)
+            else:
+                _installer.wanted = True
+                _forget_replaced_wrappers(sys.modules.get(CONNECTOR_MODULE))
+                if _installer.handles:  # still in place: active again
+                    _decide(Decision.APPLIED, _installer.applied_reason)
+                else:
+                    _register_hook()
+        except Exception as exc:  # noqa: BLE001 - apply() never raises
+            _decide(Decision.REFUSED, f"apply failed: {type(exc).__name__}: {exc}")
+        return _installer.status
 
 
 def revert() -> PatchStatus:
-    """Restore upstream's methods (the original function objects)."""
-    global _wanted
-    with _lock:
-        _wanted = False
-        _uninstall(sys.modules.get(CONNECTOR_MODULE))
-        if _status.decision in (Decision.APPLIED, Decision.PENDING):
-            _decide(Decision.INERT, "reverted by revert()")
-        return _status
+    """Take the patch out, restoring upstream's own function objects.
+
+    Never raises. If another library's plain wrapper sits above ours, ours
+    stays in the chain but passes every call through; the reason says so.
+    """
+    with _installer.lock:
+        _installer.wanted = False
+        try:
+            leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
+        except Exception as exc:  # noqa: BLE001 - revert() never raises
+            leftover = f"; removing failed ({type(exc).__name__}: {exc})"
+        if _installer.status.decision in (Decision.APPLIED, Decision.PENDING):
+            _decide(Decision.REVERTED, "reverted by revert()" + leftover)
+        return _installer.status
 
 
 def status() -> PatchStatus:
     """The decision made in this process (``pending`` until the connector loads)."""
-    with _lock:
-        return _status
+    with _installer.lock:
+        return _installer.status
 
 
 def load_vllm_plugin() -> None:
@@ -109,21 +141,18 @@ def load_vllm_plugin() -> None:
 
 
 def _register_hook() -> None:
-    global _hook_registered, _wanted
-    _wanted = True
-    if _handles or _hook_registered:
+    if _installer.hook_registered:
         return
-    _hook_registered = True
+    _installer.hook_registered = True
     # Fires at once when the module is already imported (revert then apply).
     wrapt.register_post_import_hook(_on_connector_import, CONNECTOR_MODULE)
 
 
 def _on_connector_import(module: ModuleType) -> None:
     """The post-import hook. Must not raise: wrapt would fail the import."""
-    global _hook_registered
-    with _lock:
-        _hook_registered = False
-        if not _wanted or _handles:
+    with _installer.lock:
+        _installer.hook_registered = False
+        if not _installer.wanted or _installer.handles:
             return
         if _kill_switch_on():  # set after this package was imported
             _decide(Decision.DISABLED, _DISABLED_REASON)
@@ -132,10 +161,18 @@ def _on_connector_import(module: ModuleType) -> None:
             verdict = judge(module, _vllm_version())
             if verdict.decision is Decision.APPLIED:
                 _install(module)
+                _installer.applied_reason = verdict.reason
             _decide(verdict.decision, verdict.reason)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's import
-            _uninstall(module)
-            _decide(Decision.REFUSED, f"installing failed: {type(exc).__name__}: {exc}")
+            leftover = ""
+            try:
+                leftover = _uninstall(module)
+            except Exception:  # noqa: BLE001, S110 - reported just below
+                leftover = "; a wrapper may be left in place, passing calls through"
+            _decide(
+                Decision.REFUSED,
+                f"installing failed: {type(exc).__name__}: {exc}{leftover}",
+            )
 
 
 def _install(module: ModuleType) -> None:
@@ -143,22 +180,78 @@ def _install(module: ModuleType) -> None:
     from vllm_kvfill_patch.replacement import WRAPPERS
 
     for path, wrapper in WRAPPERS.items():
-        _handles[path] = wrapt.wrap_function_wrapper(module, path, wrapper)
+        _installer.handles[path] = wrapt.wrap_function_wrapper(
+            module, path, _while_wanted(wrapper)
+        )
 
 
-def _uninstall(module: ModuleType | None) -> None:
-    for path, handle in list(_handles.items()):
-        wrapt.unwrap_object(module, path, handle, missing_ok=True)
-        del _handles[path]
+def _while_wanted(wrapper):
+    """`wrapper` while the patch is wanted; upstream's method once it is not.
+
+    What makes revert() hold where our wrapper cannot be taken out.
+    """
+
+    def gate(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if _installer.wanted:
+            return wrapper(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return gate
+
+
+def _uninstall(module: ModuleType | None) -> str:
+    """Remove our wrappers; '' when all went, else why some stayed (inactive)."""
+    stuck = []
+    for path, handle in list(_installer.handles.items()):
+        try:
+            wrapt.unwrap_object(module, path, handle, missing_ok=True)
+        except wrapt.WrapperNotOutermostError:
+            pass
+        if _in_place(module, path, handle):
+            stuck.append(path)
+        else:
+            del _installer.handles[path]
+    if not stuck:
+        return ""
+    return (
+        "; another library's plain wrapper sits above ours on "
+        + ", ".join(stuck)
+        + ": ours stays in place and passes every call through"
+    )
+
+
+def _forget_replaced_wrappers(module: ModuleType | None) -> None:
+    """Drop handles of our wrappers that someone replaced outright."""
+    for path, handle in list(_installer.handles.items()):
+        if not _in_place(module, path, handle):
+            del _installer.handles[path]
+
+
+def _in_place(module: ModuleType | None, path: str, handle: Any) -> bool:
+    """Whether calls to `path` still go through our wrapper `handle`.
+
+    A plain closure above ours may hold it bound (it was read through the
+    class), so the bound form counts too.
+    """
+    owner_name, _, attribute = path.rpartition(".")
+    owner = getattr(module, owner_name, None)
+    current = owner.__dict__.get(attribute) if owner is not None else None
+    if current is None:
+        return False
+    return wrapt.is_wrapped_by(
+        current,
+        predicate=lambda entry: (
+            entry is handle or getattr(entry, "_self_parent", None) is handle
+        ),
+    )
 
 
 def _decide(decision: Decision, reason: str) -> None:
     """Record a decision; log it when it is news in this process."""
-    global _status, _logged
     new_status = PatchStatus(_vllm_version(), decision, reason)
-    if _logged and new_status == _status:
+    if _installer.logged and new_status == _installer.status:
         return
-    _status, _logged = new_status, True
+    _installer.status, _installer.logged = new_status, True
     level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
     logger.log(
         level,
@@ -191,8 +284,9 @@ def _vllm_version() -> str | None:
 # Importing the package is the first way to use it: register the hook now.
 # With the kill switch set, the status says so without a log line (vLLM's
 # logging may not be configured yet); apply() and the plugin log it.
-with _lock:
+with _installer.lock:
     if _kill_switch_on():
-        _status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
+        _installer.status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
     else:
+        _installer.wanted = True
         _register_hook()

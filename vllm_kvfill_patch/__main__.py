@@ -1,29 +1,53 @@
-"""`python -m vllm_kvfill_patch`: the patch's decision for the installed vLLM."""
+"""`python -m vllm_kvfill_patch`: the patch's decision for the installed vLLM.
+
+`--patch` prints the upstream patch for the installed release instead, ready
+for `git am` (the wheel carries patches/ as package data).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import argparse
+import sys
+from importlib.resources import files
 
 from vllm_kvfill_patch import load_vllm_plugin, status
 
-PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
+
+def patch_for(vllm_version: str | None):
+    """The packaged patch file for `vllm_version`, or None."""
+    patches = files("vllm_kvfill_patch") / "patches"
+    if vllm_version is None or not patches.is_dir():
+        return None
+    base = vllm_version.split("+")[0]
+    return next(
+        (p for p in patches.iterdir() if p.name.endswith(f"-v{base}.patch")), None
+    )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--patch", action="store_true", help="print the patch for this release"
+    )
+    args = parser.parse_args(argv)
     load_vllm_plugin()
     current = status()
+    patch = patch_for(current.vllm_version)
+    if args.patch:
+        if patch is None:
+            print(f"no patch for vLLM {current.vllm_version}", file=sys.stderr)
+            return 1
+        sys.stdout.write(patch.read_text())
+        return 0
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
     print(f"reason:       {current.reason}")
-    patches = sorted(PATCHES_DIR.glob("*.patch")) if PATCHES_DIR.is_dir() else []
-    for_release = [p for p in patches if p.stem.endswith(f"-v{current.vllm_version}")]
-    if for_release:
-        print(f"patch file:   {for_release[0]} (for this release)")
-    elif patches:
-        print(f"patch files:  {', '.join(map(str, patches))}")
+    if patch is not None:
+        print(f"patch file:   {patch.name} (for this release; print it with --patch)")
     else:
-        print("patch files:  patches/ of the source distribution")
+        print("patch file:   none for this release")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

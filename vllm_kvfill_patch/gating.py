@@ -1,17 +1,19 @@
 """Decide whether the installed vLLM's DecodeBenchConnector needs the patch.
 
 The decision comes from the connector's structure and behaviour; the release
-policy below is the cross-check. Where the two disagree, or the structure is
-not one this package knows, the patch refuses rather than guess.
+policy (``releases.SUPPORT_POLICY``) is the cross-check. Where the two
+disagree, or the structure is not one this package knows, the patch refuses
+rather than guess.
 """
 
 from __future__ import annotations
 
 import enum
 import inspect
-import re
 from dataclasses import dataclass
 from types import ModuleType
+
+from vllm_kvfill_patch.releases import policy_for
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
 FILL_SIGNATURE = ("self", "group_idx", "block_ids", "num_tokens")
@@ -24,6 +26,8 @@ class Decision(str, enum.Enum):
     INERT = "inert"
     REFUSED = "refused"
     DISABLED = "disabled"
+    REVERTED = "reverted"
+    """``revert()`` took the patch out; ``apply()`` puts it back."""
 
 
 @dataclass(frozen=True)
@@ -32,75 +36,18 @@ class Verdict:
     reason: str
 
 
-@dataclass(frozen=True)
-class ReleaseRange:
-    first: tuple[int, int, int]
-    """First release of the range."""
-    end: tuple[int, int, int] | None
-    """First release after the range; None for open-ended."""
-    decision: Decision
-    why: str
-
-    def covers(self, version: tuple[int, int, int]) -> bool:
-        return self.first <= version and (self.end is None or version < self.end)
-
-
-SUPPORT_POLICY = (
-    ReleaseRange(
-        (0, 0, 0),
-        (0, 11, 1),
-        Decision.INERT,
-        "no DecodeBenchConnector in this release",
-    ),
-    ReleaseRange(
-        (0, 11, 1),
-        (0, 24, 0),
-        Decision.APPLIED,
-        "_fill_blocks crashes on list/tuple (Mamba) caches, maps every layer to "
-        "group 0, and indexes FlashAttention's (2, num_blocks, ...) cache on dim 0",
-    ),
-    ReleaseRange(
-        (0, 24, 0),
-        (0, 30, 0),
-        Decision.APPLIED,
-        "#45080 fills each state tensor whole (clobbering other requests) and "
-        "maps every layer to group 0",
-    ),
-    ReleaseRange(
-        (0, 30, 0),
-        None,
-        Decision.INERT,
-        "upstream maps layers per group, zero-fills circular buffers and "
-        "encodes fp8 itself; Mamba caches are block-indexed tensors from 0.27",
-    ),
-)
-
-
-def parse_release(version: str) -> tuple[int, int, int] | None:
-    """`(major, minor, patch)` of a vLLM version string, or None."""
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    return tuple(int(part) for part in match.groups()) if match else None
-
-
-def policy_for(version: str) -> ReleaseRange | None:
-    release = parse_release(version)
-    if release is None:
-        return None
-    return next(r for r in SUPPORT_POLICY if r.covers(release))
-
-
 def judge(module: ModuleType, vllm_version: str) -> Verdict:
     """What to do with the loaded connector module of vLLM `vllm_version`."""
     structural = _judge_structure(module)
     policy = policy_for(vllm_version)
     if structural.decision is Decision.REFUSED or policy is None:
         return structural
-    if structural.decision is not policy.decision:
+    if structural.decision is not Decision(policy.decision):
         return Verdict(
             Decision.REFUSED,
             f"the connector's structure says {structural.decision.value} "
             f"({structural.reason}), but vLLM {vllm_version} is expected to be "
-            f"{policy.decision.value} ({policy.why})",
+            f"{policy.decision} ({policy.why})",
         )
     return structural
 

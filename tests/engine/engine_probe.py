@@ -21,8 +21,9 @@ from pathlib import Path
 
 def worker_report(worker=None) -> dict:
     """Runs inside each worker (collective_rpc): what the patch did there."""
-    import wrapt
     from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    from tests.children import wrapper_count
 
     loaded_by_plugin = "vllm_kvfill_patch" in sys.modules
     import vllm_kvfill_patch
@@ -34,7 +35,7 @@ def worker_report(worker=None) -> dict:
         "pid": os.getpid(),
         "package_loaded_before_this_call": loaded_by_plugin,
         "decision": vllm_kvfill_patch.status().decision.value,
-        "wrappers": len(list(wrapt.wrapper_chain(fill_blocks))) - 1,
+        "wrappers": wrapper_count(fill_blocks),
     }
 
 

@@ -16,18 +16,23 @@ import pytest
 from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
 
 PROBE = Path(__file__).with_name("engine_probe.py")
+ROOT = PROBE.parent.parent.parent
 LIST_CRASH = "'list' object has no attribute 'device'"
 RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"
-ENGINE_SESSION = "python -m nox -s engine-0.23.0"
+ENGINE_SESSION = "python3 -m nox -s engine"
 
 
 def run_probe(options: dict, env: dict | None = None, timeout: float = 400) -> dict:
+    # The checkout on the path of the probe and of every process it starts:
+    # the workers import tests.children.
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
     result = subprocess.run(
         [sys.executable, str(PROBE), json.dumps(options)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env=env,
     )
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0 and lines, (

@@ -1,0 +1,275 @@
+"""Code that runs in a fresh interpreter (``helpers.run_fresh``), one function
+per scenario, each returning a JSON-able report.
+
+Nothing here is imported at module level beyond the standard library: what a
+scenario imports, and when, is the scenario.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import multiprocessing
+import os
+import sys
+
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
+PATCHED_METHODS = {
+    "_fill_blocks": "DecodeBenchConnectorWorker",
+    "register_kv_caches": "DecodeBenchConnector",
+}
+
+
+def wrapper_count(function) -> int:
+    """How many wrappers (wrapt or functools.wraps) sit on `function`."""
+    import wrapt
+
+    return len(list(wrapt.wrapper_chain(function))) - 1
+
+
+def connector_report(module=None) -> dict:
+    """Wrappers on the patched methods, and the package's status if loaded."""
+    module = module or sys.modules.get(CONNECTOR_MODULE)
+    report: dict = {"connector": module is not None}
+    if module is not None:
+        for method, owner in PATCHED_METHODS.items():
+            report[method] = wrapper_count(getattr(module, owner).__dict__[method])
+    package = sys.modules.get("vllm_kvfill_patch")
+    if package is not None:
+        current = package.status()
+        report["status"] = {
+            "decision": current.decision.value,
+            "reason": current.reason,
+            "version": current.vllm_version,
+        }
+    return report
+
+
+def _import_connector() -> None:
+    importlib.import_module(CONNECTOR_MODULE)
+
+
+def _load_plugins() -> None:
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()
+
+
+STEPS = {
+    "import package": lambda: importlib.import_module("vllm_kvfill_patch"),
+    "import vllm": lambda: importlib.import_module("vllm"),
+    "import connector": _import_connector,
+    "apply": lambda: importlib.import_module("vllm_kvfill_patch").apply(),
+    "revert": lambda: importlib.import_module("vllm_kvfill_patch").revert(),
+    "load plugins": _load_plugins,
+    "set kill switch": lambda: os.environ.__setitem__("KVFILL_PATCH_DISABLE", "yes"),
+}
+
+
+def run_steps(steps: list[str]) -> dict:
+    """Run the named STEPS in order, then report."""
+    for step in steps:
+        STEPS[step]()
+    return connector_report()
+
+
+def modules_loaded_by_importing_the_package() -> dict:
+    import vllm_kvfill_patch
+
+    loaded = sorted(m for m in ("vllm", "torch", "wrapt") if m in sys.modules)
+    return {"loaded": loaded, "decision": vllm_kvfill_patch.status().decision.value}
+
+
+def _plugins_in_a_spawned_child(queue) -> None:
+    import wrapt  # noqa: F401 - as a worker has it, before the plugins
+
+    before = "vllm_kvfill_patch" in sys.modules
+    _load_plugins()
+    report = connector_report(importlib.import_module(CONNECTOR_MODULE))
+    queue.put({**report, "imported_before_plugins": before})
+
+
+def spawned_child_report() -> dict:
+    """A child started with `spawn` (as vLLM's CLI starts them) loads plugins."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_plugins_in_a_spawned_child, args=(queue,))
+    process.start()
+    report = queue.get(timeout=240)
+    process.join(60)
+    report["exitcode"] = process.exitcode
+    report["parent_imported"] = "vllm_kvfill_patch" in sys.modules
+    return report
+
+
+# Targets the package does not know: replacement _fill_blocks of other shapes.
+
+
+def _fill_blocks_changed_signature(self, group_idx, block_ids):
+    pass
+
+
+def _fill_blocks_writes_nothing(self, group_idx, block_ids, num_tokens):
+    pass
+
+
+def _fill_blocks_raises_otherwise(self, group_idx, block_ids, num_tokens):
+    raise KeyError("layout")
+
+
+UNKNOWN_TARGETS = {
+    "changed-signature": _fill_blocks_changed_signature,
+    "writes-nothing": _fill_blocks_writes_nothing,
+    "raises-otherwise": _fill_blocks_raises_otherwise,
+}
+
+
+def unknown_target_report(target: str) -> dict:
+    """The connector's _fill_blocks replaced before the package's hook runs."""
+    import wrapt
+
+    def change_target(module) -> None:
+        module.DecodeBenchConnectorWorker._fill_blocks = UNKNOWN_TARGETS[target]
+
+    # Registered first, so it runs before the package's own hook.
+    wrapt.register_post_import_hook(change_target, CONNECTOR_MODULE)
+    import vllm_kvfill_patch  # noqa: F401
+
+    _import_connector()
+    return connector_report()
+
+
+def failing_hook_report() -> dict:
+    """The gating raises inside the hook; both imports of vLLM still succeed."""
+    import vllm_kvfill_patch
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    vllm_kvfill_patch.judge = broken
+    _import_connector()
+    _import_connector()
+    return connector_report()
+
+
+# Other patches on the same methods.
+
+
+def _plain_monkeypatch(owner, name: str) -> None:
+    """What profilers do: a functools.wraps closure set on the class."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        traced.calls += 1
+        return original(*args, **kwargs)
+
+    traced.calls = 0
+    setattr(owner, name, traced)
+
+
+def _wrapt_wrapper(owner, name: str) -> None:
+    import wrapt
+
+    wrapt.wrap_function_wrapper(owner, name, lambda w, i, a, k: w(*a, **k))
+
+
+def _replace_outright(owner, name: str) -> None:
+    """Set upstream's own function back by hand, over our wrapper."""
+    setattr(owner, name, owner.__dict__[name].__wrapped__)
+
+
+FOREIGN_PATCHES = {
+    "plain monkeypatch": _plain_monkeypatch,
+    "wrapt wrapper": _wrapt_wrapper,
+    "replaced outright": _replace_outright,
+    "none": None,
+}
+
+
+def fill_blocks_behaviour() -> str:
+    """What the connector's _fill_blocks does to a list state cache right now:
+    'patched' (block rows only), 'upstream crash' or 'upstream whole'."""
+    import torch
+
+    module = sys.modules[CONNECTOR_MODULE]
+    worker = object.__new__(module.DecodeBenchConnectorWorker)
+    state = torch.zeros(8, 2)
+    worker.kv_caches = {"layer": [state]}
+    worker.group_to_layers = {0: ["layer"]}
+    worker.fill_mean, worker.fill_std = 1.0, 0.0
+    worker.vllm_config = _config_with_blocks(8)
+    try:
+        worker._fill_blocks(0, [3], 16)
+    except AttributeError:
+        return "upstream crash"
+    rows = state.ne(0).any(dim=1).nonzero().flatten().tolist()
+    return "patched" if rows == [3] else "upstream whole"
+
+
+def _config_with_blocks(num_blocks: int):
+    from types import SimpleNamespace
+
+    cache_config = SimpleNamespace(num_gpu_blocks=num_blocks, cache_dtype="auto")
+    return SimpleNamespace(cache_config=cache_config)
+
+
+def foreign_patch_report(foreign: str, steps: list[str]) -> dict:
+    """Ours applied, another patch put above it, then `steps`; never raises?"""
+    import vllm_kvfill_patch
+
+    _import_connector()
+    module = sys.modules[CONNECTOR_MODULE]
+    if FOREIGN_PATCHES[foreign] is not None:
+        FOREIGN_PATCHES[foreign](module.DecodeBenchConnectorWorker, "_fill_blocks")
+    report: dict = {"raised": None, "after": []}
+    try:
+        for step in steps:
+            STEPS[step]()
+            report["after"].append(
+                {
+                    "step": step,
+                    "decision": vllm_kvfill_patch.status().decision.value,
+                    "reason": vllm_kvfill_patch.status().reason,
+                    "behaviour": fill_blocks_behaviour(),
+                }
+            )
+    except Exception as exc:  # noqa: BLE001 - the report says what raised
+        report["raised"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def load_connector_file(path: str):
+    """Load `path` as vLLM's connector module, in place of the installed one.
+
+    vLLM's connector package imports the original while it loads, so it is
+    loaded first and the module is then swapped in sys.modules and on the
+    package, where both ``import`` forms and vLLM's factory look it up.
+    """
+    parent_name, _, child = CONNECTOR_MODULE.rpartition(".")
+    parent = importlib.import_module(parent_name)
+    spec = importlib.util.spec_from_file_location(CONNECTOR_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[CONNECTOR_MODULE] = module
+    setattr(parent, child, module)
+    return module
+
+
+def patched_file_report(path: str) -> dict:
+    """The package's decision on a connector file with a patches/ file applied."""
+    import vllm_kvfill_patch
+
+    # Loading the original first patches it; what counts is the decision on
+    # the patched file, re-taken by apply() once it is in place.
+    vllm_kvfill_patch.revert()
+    module = load_connector_file(path)
+    vllm_kvfill_patch.apply()
+    return connector_report(module)
+
+
+def package_location() -> dict:
+    import vllm_kvfill_patch
+
+    return {"file": vllm_kvfill_patch.__file__}

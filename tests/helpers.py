@@ -1,0 +1,132 @@
+"""Helpers shared by the test modules (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
+CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
+PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
+BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
+
+
+PRELOADED = ["torch", "torch._dynamo", "torch._inductor.lowering", "transformers"]
+"""What the fork server imports once: third-party modules that are most of
+vLLM's import time (about 5 of 8 s here). Never vLLM, wrapt or this package,
+whose import order is what the scenarios are about (each child checks)."""
+NEVER_PRELOADED = ("vllm", "wrapt", "vllm_kvfill_patch")
+
+
+def run_fresh(
+    function: Callable, *args, env: dict | None = None, cwd: Path | None = None
+) -> dict:
+    """Run `function` (from tests/children.py) in a fresh process.
+
+    Forked from a fork server that imported only PRELOADED; with `cwd` (a
+    directory outside the checkout), a cold interpreter instead, whose
+    sys.path holds neither the checkout nor what pytest added. Returns the
+    function's JSON report, with the child's output under "stdout" and
+    "stderr" (vLLM logs to stdout).
+    """
+    if cwd is not None:
+        return _run_cold(function, args, env, cwd)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch)
+        child = context.Process(
+            target=_child_main, args=(function.__name__, args, env or {}, str(out))
+        )
+        child.start()
+        child.join(300)
+        stdout, stderr = (out / "stdout").read_text(), (out / "stderr").read_text()
+        result = out / "result.json"
+        assert child.exitcode == 0 and result.exists(), (
+            f"child failed ({child.exitcode}):\n{stdout}\n{stderr}"
+        )
+        report = json.loads(result.read_text())
+    report["stdout"], report["stderr"] = stdout, stderr
+    return report
+
+
+def _child_main(name: str, args: tuple, env: dict, out: str) -> None:
+    """In the forked child: output to files, env applied, then the scenario."""
+    loaded = [m for m in NEVER_PRELOADED if m in sys.modules]
+    assert not loaded, f"the fork server has loaded {loaded}"
+    for stream, fd in (("stdout", 1), ("stderr", 2)):
+        with open(os.path.join(out, stream), "w") as file:
+            os.dup2(file.fileno(), fd)
+    os.environ.update(env)
+    from tests import children
+
+    try:
+        result = getattr(children, name)(*args)
+        with open(os.path.join(out, "result.json"), "w") as file:
+            json.dump(result, file)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _run_cold(function: Callable, args: tuple, env: dict | None, cwd: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "fresh.py"), function.__name__, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+        cwd=cwd,
+    )
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and lines, (
+        f"child failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    )
+    report = json.loads(lines[-1])
+    report["stdout"], report["stderr"] = result.stdout, result.stderr
+    return report
+
+
+def status_command(cwd: Path = ROOT) -> str:
+    """What `python -m vllm_kvfill_patch` prints, in a fresh interpreter."""
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_kvfill_patch"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    return result.stdout
+
+
+def patches_by_release() -> dict[str, Path]:
+    return {
+        PATCH_NAME.match(p.name).group(1): p
+        for p in sorted((ROOT / "patches").glob("*.patch"))
+        if PATCH_NAME.match(p.name)
+    }
+
+
+def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", "apply", *options, str(patch)], cwd=tree, capture_output=True, text=True
+    )
+
+
+def applied_reason(vllm_version: str) -> str:
+    """Why the patch applies to this release, as upstream's code behaves there."""
+    from vllm_kvfill_patch.releases import parse_release
+
+    if parse_release(vllm_version) < (0, 24, 0):
+        return "_fill_blocks crashes on list/tuple (Mamba) caches"
+    return "_fill_blocks fills list/tuple state tensors whole"

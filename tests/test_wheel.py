@@ -1,0 +1,57 @@
+"""The built wheel, installed (not editable) next to a real vLLM.
+
+Run by `python3 -m nox -s wheel`, from a directory outside the checkout, so
+every child below imports the installed package, not the checkout's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from tests import children
+from tests.helpers import applied_reason, patches_by_release, run_fresh, status_command
+
+
+def test_the_installed_package_is_the_wheel_not_the_checkout():
+    distribution = metadata.distribution("vllm-kvfill-patch")
+    assert distribution.read_text("direct_url.json") is None or (
+        '"editable": true' not in distribution.read_text("direct_url.json")
+    )
+    (entry_point,) = distribution.entry_points.select(group="vllm.general_plugins")
+    assert entry_point.value == "vllm_kvfill_patch:load_vllm_plugin"
+    requires = sorted(r.split(">")[0].split("<")[0] for r in distribution.requires)
+    assert requires == ["torch", "wrapt"]
+    packaged = {f.name for f in distribution.files if f.suffix == ".patch"}
+    assert packaged == {p.name for p in patches_by_release().values()}
+
+
+def test_status_command_names_and_prints_the_patch_from_the_wheel(
+    tmp_path, vllm_version
+):
+    out = status_command(cwd=tmp_path)
+    patch = patches_by_release()[vllm_version]
+    assert "decision:     applied" in out
+    assert f"reason:       {applied_reason(vllm_version)}" in out
+    assert f"patch file:   {patch.name} (for this release" in out
+    printed = subprocess.run(
+        [sys.executable, "-m", "vllm_kvfill_patch", "--patch"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    ).stdout
+    assert printed == patch.read_text()
+
+
+def test_entry_point_of_the_wheel_patches_a_spawned_child(tmp_path):
+    report = run_fresh(children.spawned_child_report, cwd=tmp_path)
+    assert report["imported_before_plugins"] is False
+    assert report["_fill_blocks"] == 1 and report["status"]["decision"] == "applied"
+    package_file = run_fresh(children.package_location, cwd=tmp_path)["file"]
+    assert "site-packages" in package_file
+    assert not Path(package_file).is_relative_to(Path(__file__).parent.parent)
+    assert os.environ.get("PYTHONPATH", "") == ""

