@@ -75,12 +75,17 @@ def make_pool(
     state_shapes: tuple = GDN_STATES,
     states_as: type = list,
     kv_first: bool = False,
+    kernel_split: int = 1,
 ) -> HybridPool:
+    """`kernel_split` r: the attention view as the model runner builds it when
+    the backend cannot run BLOCK_SIZE: N * r kernel blocks of BLOCK_SIZE / r
+    tokens, manager block b = kernel rows b*r .. b*r + r - 1."""
     # Random bytes: an untouched row is recognisable byte for byte.
     raw = torch.randint(0, 256, (num_blocks * PAGE_BYTES,), dtype=torch.uint8)
+    kernel_blocks, kernel_tokens = num_blocks * kernel_split, BLOCK_SIZE // kernel_split
     # FlashAttention <= 0.22.1 stacks K and V first: (2, num_blocks, ...).
-    leading = (2, num_blocks) if kv_first else (num_blocks, 2)
-    attention = raw.view(ATTENTION_DTYPE).view(*leading, BLOCK_SIZE, HEADS, HEAD_DIM)
+    leading = (2, kernel_blocks) if kv_first else (kernel_blocks, 2)
+    attention = raw.view(ATTENTION_DTYPE).view(*leading, kernel_tokens, HEADS, HEAD_DIM)
     states, offset = [], 0
     page_elements = PAGE_BYTES // STATE_DTYPE.itemsize
     for shape in state_shapes:

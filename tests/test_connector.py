@@ -173,6 +173,79 @@ def test_flashattention_kv_first_layout_fills_the_block_dimension(vllm_config_fo
 
 
 @behaviour
+@pytest.mark.kernel_split
+@pytest.mark.parametrize("ratio", [2, 4])
+@pytest.mark.parametrize("fill_std", [0.0, 0.5], ids=["constant", "random"])
+def test_a_kernel_split_cache_gets_all_kernel_rows_of_each_block(
+    vllm_config_for, ratio, fill_std
+):
+    pool = make_pool(NUM_BLOCKS, kernel_split=ratio)
+    config = vllm_config_for(fill_mean=0.5, fill_std=fill_std)
+    connector = make_worker_connector(config, pool)
+    before = pool.raw.clone()
+    start_fill(connector, {"r1": (([0, 3, 4, 3, NUM_BLOCKS], [7]), 32)})
+    # Manager block b is kernel rows b*r .. b*r + r - 1: exactly page b.
+    expect_only_pages_changed(pool, before, {3, 4, 7})
+    for block_id in (3, 4):
+        filled = pool.attention_block(block_id)
+        if fill_std == 0:
+            assert (filled == 0.5).all()
+        else:
+            assert filled.unique().numel() > 100
+
+
+@behaviour
+@pytest.mark.kv_first_layout
+@pytest.mark.kernel_split
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_flashattention_kv_first_kernel_split_fills_each_blocks_rows(
+    vllm_config_for, ratio
+):
+    pool = make_pool(NUM_BLOCKS, kv_first=True, kernel_split=ratio)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    attention = pool.caches[ATTENTION_LAYER]
+    before = attention.clone()
+    start_fill(connector, {"r": (([1, 5], []), 32)})
+    filled_rows = {b * ratio + j for b in (1, 5) for j in range(ratio)}
+    for row in range(NUM_BLOCKS * ratio):
+        new, old = attention[:, row], before[:, row]
+        if row in filled_rows:
+            assert (new == 0.5).all(), row
+        else:
+            assert torch.equal(new.view(torch.int16), old.view(torch.int16)), row
+
+
+@behaviour
+@pytest.mark.kernel_split
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_kernel_split_fp8_and_mla_caches(vllm_config_for, ratio):
+    config = vllm_config_for(fill_mean=0.5)
+    pool = make_pool(NUM_BLOCKS)
+    # fp8 stored as uint8, split; and an MLA-shaped (N*r, tokens, head) cache.
+    fp8_cache = torch.zeros(
+        NUM_BLOCKS * ratio, 2, 16 // ratio, 1, 64, dtype=torch.uint8
+    )
+    pool.caches[ATTENTION_LAYER] = fp8_cache
+    original = config.cache_config.cache_dtype
+    config.cache_config.cache_dtype = "fp8_e4m3"
+    try:
+        kv_cache_config = make_kv_cache_config(pool, fp8_attention=True)
+        connector = make_worker_connector(config, pool, kv_cache_config)
+        start_fill(connector, {"r": (([2], []), 16)})
+        mla = torch.zeros(NUM_BLOCKS * ratio, 16 // ratio, 72, dtype=torch.uint8)
+        connector.connector_worker.kv_caches[ATTENTION_LAYER] = mla
+        start_fill(connector, {"r2": (([5], []), 16)})
+    finally:
+        config.cache_config.cache_dtype = original
+    byte = torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()
+    for cache, block in ((fp8_cache, 2), (mla, 5)):
+        rows = list(range(block * ratio, block * ratio + ratio))
+        assert (cache[rows] == byte).all()
+        others = [r for r in range(NUM_BLOCKS * ratio) if r not in rows]
+        assert not cache[others].any()
+
+
+@behaviour
 def test_invalid_null_and_duplicate_ids(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)
     connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)

@@ -33,26 +33,77 @@ def assert_rows(before, after, dim, rows, expected_row):
 block_id_lists = st.lists(st.integers(min_value=-3, max_value=40), max_size=30)
 
 
-@settings(max_examples=150, deadline=None)
+LAYOUTS = {
+    # name: (shape for num_blocks N, split ratio r, kernel block tokens t;
+    #        the block dimension the layout puts blocks on)
+    "blocks-first": (lambda n, r, t: [n * r, 2, t, 3], 0),
+    "kv-first": (lambda n, r, t: [2, n * r, t, 3], 1),  # FlashAttention <= 0.22
+    "mla": (lambda n, r, t: [n * r, t, 5], 0),
+    "cpu": (lambda n, r, t: [n * r, 1, t, 4], 0),
+}
+
+
+def expected_rows(block_ids, num_blocks, ratio):
+    """Kernel rows of the valid, non-null requested manager blocks."""
+    blocks = reference_rows(block_ids, num_blocks)
+    return {b * ratio + j for b in blocks for j in range(ratio)}
+
+
+@settings(max_examples=200, deadline=None)
 @given(
-    num_blocks=st.integers(min_value=1, max_value=24),
-    row_shape=st.lists(st.integers(min_value=1, max_value=5), min_size=0, max_size=3),
-    kv_first=st.booleans(),
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    num_blocks=st.integers(min_value=3, max_value=20),
+    ratio=st.sampled_from([1, 2, 4]),
+    kernel_tokens=st.sampled_from([4, 16]),
     block_ids=block_id_lists,
-    dtype=st.sampled_from(DTYPES),
-    mean=st.floats(min_value=-4, max_value=4, allow_nan=False, width=16),
+    dtype=st.sampled_from(DTYPES + [torch.uint8]),
+    std=st.sampled_from([0.0, 1.0]),
 )
-def test_constant_fill_writes_exactly_the_requested_rows(
-    num_blocks, row_shape, kv_first, block_ids, dtype, mean
+def test_fill_writes_exactly_the_kernel_rows_of_the_requested_blocks(
+    layout, num_blocks, ratio, kernel_tokens, block_ids, dtype, std
 ):
-    shape = [2, num_blocks, *row_shape] if kv_first else [num_blocks, *row_shape]
-    cache = torch.randn(shape).to(dtype)
+    make_shape, dim = LAYOUTS[layout]
+    shape = make_shape(num_blocks, ratio, kernel_tokens)
+    cache = torch.randint(0, 200, shape).to(dtype)
     before = cache.clone()
-    dim = fill.find_block_dim(cache.shape, num_blocks)
-    report = fill.fill_cache_blocks_(cache, block_ids, num_blocks, FillValue(mean))
-    rows = reference_rows(block_ids, num_blocks)
+    encoding = torch.float8_e4m3fn if dtype == torch.uint8 else None
+    value = FillValue(0.5, std, encoding)
+    report = fill.fill_cache_blocks_(
+        cache, block_ids, num_blocks, value, block_size=kernel_tokens * ratio
+    )
+    rows = expected_rows(block_ids, num_blocks, ratio)
     assert report.written is (Written.ROWS if rows else Written.NOTHING)
-    assert_rows(before, cache, dim, rows, lambda r: torch.full_like(r, mean))
+    constant = fill_byte(0.5, encoding) if encoding else 0.5
+    for row in range(num_blocks * ratio):
+        new, old = cache.select(dim, row), before.select(dim, row)
+        if row not in rows:
+            assert torch.equal(new, old), f"row {row} changed"
+        elif std == 0:
+            assert (new == constant).all(), f"row {row}"
+        else:
+            assert not torch.equal(new, old) or new.numel() == 0, f"row {row}"
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_split_ratio_without_a_block_size_comes_from_the_dimension(ratio):
+    cache = torch.zeros(6 * ratio, 16 // ratio, 8)
+    fill.fill_cache_blocks_(cache, [2, 5], 6, FillValue(1.0))
+    filled = {r for r in range(6 * ratio) if cache[r].any()}
+    assert filled == {b * ratio + j for b in (2, 5) for j in range(ratio)}
+
+
+def test_a_split_that_the_block_size_contradicts_is_not_filled():
+    # 12 rows for 6 blocks would be a split by 2, into kernel blocks of
+    # 8 tokens; the tensor has no 8-token dimension, so it is not one.
+    cache = torch.zeros(12, 2, 16, 4)
+    report = fill.fill_cache_blocks_(cache, [1], 6, FillValue(1.0), block_size=16)
+    assert report.written is Written.NO_BLOCK_DIM
+    assert not cache.any()
+
+
+def test_kv_first_with_two_blocks_takes_dim_zero_as_documented():
+    cache = torch.zeros(2, 2, 16, 4)
+    assert fill.find_block_dim(cache.shape, 2, 16) == fill.BlockDim(0, 1)
 
 
 @settings(max_examples=100, deadline=None)

@@ -92,17 +92,44 @@ def block_runs(block_ids: Iterable[int], num_blocks: int) -> list[tuple[int, int
     return runs
 
 
-def find_block_dim(shape: Sequence[int], num_blocks: int) -> int | None:
+@dataclass(frozen=True)
+class BlockDim:
+    """Where an attention cache keeps its blocks.
+
+    Manager block b is rows ``b * ratio .. b * ratio + ratio - 1`` along
+    `dim`: vLLM's model runner splits each KV-manager block into `ratio`
+    kernel blocks when the attention backend cannot run the manager's block
+    size (``_reshape_kv_cache_tensors``).
+    """
+
+    dim: int
+    ratio: int = 1
+
+
+def find_block_dim(
+    shape: Sequence[int], num_blocks: int, block_size: int | None = None
+) -> BlockDim | None:
     """The dimension of an attention cache that indexes blocks, or None.
 
-    `(num_blocks, ...)` layouts index dim 0; FlashAttention up to vLLM 0.22
-    stacks K and V first, `(2, num_blocks, ...)`. With num_blocks == 2 both
-    readings fit; dim 0 is taken, the layout of every other backend.
+    Blocks live along dim 0, ``(num_blocks * ratio, ...)``, or, for
+    FlashAttention up to vLLM 0.22, which stacks K and V first, along dim 1
+    of ``(2, num_blocks * ratio, ...)``; dim 0 is tried first. With the
+    group's `block_size` (tokens per manager block) a split (ratio > 1) is
+    taken only where a later dimension holds the kernel block's
+    ``block_size // ratio`` tokens; without it, the first dimension whose size
+    is a multiple of `num_blocks` is taken.
     """
-    if len(shape) >= 1 and shape[0] == num_blocks:
-        return 0
-    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-        return 1
+    candidates = [0] + ([1] if len(shape) >= 2 and shape[0] == 2 else [])
+    for dim in candidates:
+        if dim >= len(shape) or num_blocks <= 0 or shape[dim] % num_blocks:
+            continue
+        ratio = shape[dim] // num_blocks
+        if ratio == 0:
+            continue
+        if ratio == 1 or block_size is None:
+            return BlockDim(dim, ratio)
+        if block_size % ratio == 0 and block_size // ratio in shape[dim + 1 :]:
+            return BlockDim(dim, ratio)
     return None
 
 
@@ -111,15 +138,21 @@ def fill_cache_blocks_(
     block_ids: Iterable[int],
     num_blocks: int,
     value: FillValue,
+    block_size: int | None = None,
 ) -> FillReport:
     """Fill the rows of `block_ids` along an attention cache's block dimension.
 
-    A tensor with no dimension of size `num_blocks` is left untouched.
+    Each block's kernel rows, where the cache is kernel-split. A tensor with
+    no block dimension (``find_block_dim``) is left untouched.
     """
-    dim = find_block_dim(cache.shape, num_blocks)
-    if dim is None:
+    found = find_block_dim(cache.shape, num_blocks, block_size)
+    if found is None:
         return FillReport(Written.NO_BLOCK_DIM)
-    return _fill_runs_(cache.movedim(dim, 0), block_runs(block_ids, num_blocks), value)
+    runs = [
+        (start * found.ratio, length * found.ratio)
+        for start, length in block_runs(block_ids, num_blocks)
+    ]
+    return _fill_runs_(cache.movedim(found.dim, 0), runs, value)
 
 
 def fill_state_blocks_(

@@ -47,7 +47,7 @@ Remove when
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,9 @@ class CacheLayout:
     num_blocks: int | None
     encoding: torch.dtype | None
     """The dtype a uint8 cache's bytes encode (fp8 KV caches), if any."""
+    block_sizes: dict[int, int] = field(default_factory=dict)
+    """Tokens per KV-manager block, by group: how a kernel-split attention
+    cache's split ratio is cross-checked."""
 
 
 def fill_blocks(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
@@ -91,14 +94,20 @@ def fill_blocks(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
     for layer_name in worker.group_to_layers.get(group_idx, []):
         cache = worker.kv_caches.get(layer_name)
         if isinstance(cache, torch.Tensor):
-            report = fill_cache_blocks_(cache, block_ids, layout.num_blocks, value)
-            _log_report(layer_name, report, cache)
+            report = fill_cache_blocks_(
+                cache,
+                block_ids,
+                layout.num_blocks,
+                value,
+                layout.block_sizes.get(group_idx),
+            )
+            _log_report(layer_name, report, cache, layout.num_blocks)
         elif isinstance(cache, (list, tuple)) and all(
             isinstance(state, torch.Tensor) for state in cache
         ):
             reports = fill_state_blocks_(cache, block_ids, layout.num_blocks, value)
             for state, report in zip(cache, reports, strict=True):
-                _log_report(layer_name, report, state)
+                _log_report(layer_name, report, state, layout.num_blocks)
         else:
             logger.warning_once(
                 "vllm-kvfill-patch: layer %s has a KV cache of type %s, not a "
@@ -137,7 +146,15 @@ def layout_from(worker: Any, kv_cache_config: Any) -> CacheLayout:
     num_blocks = getattr(kv_cache_config, "num_blocks", None)
     if num_blocks is None:
         num_blocks = cache_config.num_gpu_blocks
-    return CacheLayout(num_blocks, fp8_encoding(str(cache_config.cache_dtype)))
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    block_sizes = {
+        group_idx: group.kv_cache_spec.block_size
+        for group_idx, group in enumerate(groups)
+        if isinstance(getattr(group.kv_cache_spec, "block_size", None), int)
+    }
+    return CacheLayout(
+        num_blocks, fp8_encoding(str(cache_config.cache_dtype)), block_sizes
+    )
 
 
 def fp8_encoding(cache_dtype: str) -> torch.dtype | None:
@@ -160,13 +177,18 @@ def _fill_blocks_arguments(
     return group_idx, block_ids
 
 
-def _log_report(layer_name: str, report: FillReport, tensor: torch.Tensor) -> None:
+def _log_report(
+    layer_name: str, report: FillReport, tensor: torch.Tensor, num_blocks: int
+) -> None:
     if report.written is Written.NO_BLOCK_DIM:
         logger.warning_once(
             "vllm-kvfill-patch: layer %s has a KV cache of shape %s with no "
-            "block dimension; not filling it",
+            "block dimension (expected num_blocks=%d, or a multiple of it split "
+            "into kernel blocks, along dim 0, or dim 1 after a K/V dim of 2); "
+            "not filling it",
             layer_name,
             tuple(tensor.shape),
+            num_blocks,
         )
     if report.written is Written.WHOLE_TENSOR:
         logger.warning_once(

@@ -5,7 +5,9 @@
 Options: ``in_process`` (engine core and worker in this process),
 ``import_overlay`` (import vllm_kvfill_patch here; otherwise only vLLM's
 plugin entry point can apply it), ``spy`` (record, at every fill, which rows
-of which layer changed; needs ``in_process``), ``tensor_parallel``.
+of which layer changed; needs ``in_process``), ``tensor_parallel``,
+``kernel_block_size`` (attention split into kernel blocks of that many tokens;
+needs ``in_process``).
 The last stdout line is the report.
 """
 
@@ -48,8 +50,11 @@ def install_spy(fills: list) -> None:
     def tensors(cache):
         return list(cache) if isinstance(cache, (list, tuple)) else [cache]
 
-    def block_dim(tensor, num_blocks):
-        return next(d for d, size in enumerate(tensor.shape) if size == num_blocks)
+    def by_block(tensor, num_blocks):
+        """(num_blocks, -1): on this CPU every cache keeps its blocks on dim
+        0, each block's kernel rows next to each other (b*r .. b*r + r - 1)."""
+        assert tensor.shape[0] % num_blocks == 0, tensor.shape
+        return tensor.reshape(num_blocks, -1)
 
     def spy(wrapped, worker, args, kwargs):
         group_idx, block_ids = args[0], args[1]
@@ -59,19 +64,16 @@ def install_spy(fills: list) -> None:
         }
         result = wrapped(*args, **kwargs)
         num_blocks = worker._kvfill_layout.num_blocks
-        changed = {}
+        changed, split = {}, {}
         for name, cache in worker.kv_caches.items():
             rows = set()
             for old, new in zip(before[name], tensors(cache), strict=True):
-                dim = block_dim(new, num_blocks)
-                differs = (old != new).movedim(dim, 0).reshape(num_blocks, -1).any(1)
+                differs = by_block(old != new, num_blocks).any(1)
                 rows |= set(differs.nonzero().flatten().tolist())
             changed[name] = sorted(rows)
+            split[name] = [t.shape[0] // num_blocks for t in tensors(cache)]
         filled_values_ok = all(
-            bool(
-                (t.movedim(block_dim(t, num_blocks), 0)[b].float() - 0.015).abs().max()
-                < 1e-3
-            )
+            bool((by_block(t, num_blocks)[b].float() - 0.015).abs().max() < 1e-3)
             for name in worker.group_to_layers[group_idx]
             for t in tensors(worker.kv_caches[name])
             for b in block_ids
@@ -83,6 +85,7 @@ def install_spy(fills: list) -> None:
                 "block_ids": list(block_ids),
                 "group_layers": list(worker.group_to_layers[group_idx]),
                 "changed_rows": changed,
+                "kernel_split": split,
                 "filled_values_ok": filled_values_ok,
             }
         )
@@ -92,6 +95,20 @@ def install_spy(fills: list) -> None:
         decode_bench_connector, "DecodeBenchConnectorWorker._fill_blocks", spy
     )
     del torch
+
+
+def split_attention_kernel_blocks(kernel_block_size: int) -> None:
+    """Make vLLM's CPU attention backend run only `kernel_block_size`-token
+    kernel blocks, as GPU backends with a fixed list of sizes do (FlashInfer
+    [16, 32, 64], FlashMLA [64], ...). The tiny hybrid model's attention
+    block is raised to the Mamba page (256 tokens), so vLLM's model runner
+    then splits each manager block into 256 / kernel_block_size kernel
+    blocks, building the views and block tables itself."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+        lambda: [kernel_block_size]
+    )
 
 
 def main(options: dict) -> dict:
@@ -105,6 +122,8 @@ def main(options: dict) -> dict:
 
     from vllm_kvfill_patch.demo import engine_arguments, prompts, write_tiny_model
 
+    if options.get("kernel_block_size"):
+        split_attention_kernel_blocks(options["kernel_block_size"])
     fills: list = []
     if options.get("spy"):
         from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401

@@ -26,7 +26,9 @@ def run_probe(options: dict, env: dict | None = None, timeout: float = 400) -> d
     # The checkout on the path of the probe and of every process it starts:
     # the workers import tests.children.
     env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [env.get("PYTHONPATH"), str(ROOT)])
+    )
     result = subprocess.run(
         [sys.executable, str(PROBE), json.dumps(options)],
         capture_output=True,
@@ -71,6 +73,32 @@ def test_in_process_engine_fills_each_layers_own_group_rows_only():
         assert fill["filled_values_ok"]
     state_blocks = [b for f in fills for b in f["block_ids"]]
     assert len(state_blocks) == len(set(state_blocks))  # no request's row reused
+
+
+def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
+    # 256-token manager blocks run as 16-token kernel blocks: ratio 16.
+    report = run_probe(
+        {
+            "in_process": True,
+            "import_overlay": True,
+            "spy": True,
+            "kernel_block_size": 16,
+        }
+    )
+    assert report["generated"] == [6] * 5
+    fills = report["fills"]
+    attention = "model.layers.1.self_attn.attn"
+    assert fills and all(fill["kernel_split"][attention] == [16] for fill in fills)
+    attention_fills = [f for f in fills if attention in f["group_layers"]]
+    assert len(attention_fills) == 5
+    for fill in fills:
+        requested = sorted(set(fill["block_ids"]) - {0})
+        for rows in fill["changed_rows"].values():
+            assert set(rows) <= set(requested)
+        for layer in fill["group_layers"]:
+            assert fill["changed_rows"][layer] == requested
+        # Every kernel row of each requested block holds the fill value.
+        assert fill["filled_values_ok"]
 
 
 def test_multiprocess_engine_is_patched_by_the_entry_point_alone():
