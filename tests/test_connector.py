@@ -245,6 +245,117 @@ def test_kernel_split_fp8_and_mla_caches(vllm_config_for, ratio):
         assert not cache[others].any()
 
 
+def step_requests(count: int, num_blocks: int) -> dict:
+    """`count` requests of a step: 3 attention blocks and 1 state block each,
+    with a duplicate id across requests, the null block, an out-of-range id."""
+    requests = {}
+    for i in range(count):
+        attention = [1 + (3 * i + j) % (num_blocks // 2) for j in range(3)]
+        state = [num_blocks // 2 + i % (num_blocks // 2)]
+        requests[f"r{i}"] = ((attention + [0, num_blocks + i], state), 16 * 4)
+    return requests
+
+
+def union_of(requests: dict, num_blocks: int) -> set[int]:
+    return {
+        b
+        for block_ids_per_group, _ in requests.values()
+        for ids in block_ids_per_group
+        for b in ids
+        if 0 < b < num_blocks
+    }
+
+
+@behaviour
+@pytest.mark.parametrize("count", [1, 8, 40])
+def test_a_step_fills_exactly_the_union_of_its_requests_blocks(vllm_config_for, count):
+    pool = make_pool(64)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    before = pool.raw.clone()
+    requests = step_requests(count, 64)
+    start_fill(connector, requests)
+    expect_only_pages_changed(pool, before, union_of(requests, 64))
+    for block_id in union_of(requests, 64) & set(range(1, 32)):
+        assert (pool.attention_block(block_id) == 0.5).all()
+
+
+@pytest.fixture
+def tensor_fills(monkeypatch):
+    """Counts the overlay's fill calls, one per tensor (or list of states)."""
+    from vllm_kvfill_patch import replacement
+
+    calls = []
+    for name in ("fill_cache_blocks_", "fill_state_blocks_"):
+        original = getattr(replacement, name)
+
+        def counted(*args, _original=original, **kwargs):
+            calls.append(args[0])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(replacement, name, counted)
+    return calls
+
+
+def test_fill_calls_per_step_do_not_grow_with_the_requests(
+    vllm_config_for, tensor_fills
+):
+    pool = make_pool(64)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    counts = []
+    for count in (1, 8, 40):
+        tensor_fills.clear()
+        start_fill(connector, step_requests(count, 64))
+        counts.append(len(tensor_fills))
+    # One attention layer and one list of states: two fills a step.
+    assert counts == [2, 2, 2]
+
+
+@behaviour
+def test_a_step_calls_fill_blocks_at_most_once_per_group(vllm_config_for, monkeypatch):
+    # The patch files fill a step through _fill_blocks, once per group; the
+    # overlay does not call it at all (test_fill_calls_per_step_...).
+    pool = make_pool(64)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    worker = connector.connector_worker
+    calls = []
+    fill_blocks = worker._fill_blocks
+
+    def counted(group_idx, block_ids, num_tokens):
+        calls.append(group_idx)
+        return fill_blocks(group_idx, block_ids, num_tokens)
+
+    monkeypatch.setattr(worker, "_fill_blocks", counted)
+    start_fill(connector, step_requests(40, 64))
+    assert len(calls) == len(set(calls)) <= 2
+
+
+def test_a_step_is_byte_identical_to_filling_request_by_request(vllm_config_for):
+    config = vllm_config_for(fill_mean=0.5)
+    requests = step_requests(40, 64)
+    by_step, by_request = make_pool(64), make_pool(64)
+    by_request.raw.copy_(by_step.raw)
+    start_fill(make_worker_connector(config, by_step), requests)
+    worker = make_worker_connector(config, by_request).connector_worker
+    for block_ids_per_group, num_tokens in requests.values():
+        for group_idx, block_ids in enumerate(block_ids_per_group):
+            worker._fill_blocks(group_idx, block_ids, num_tokens)
+    assert torch.equal(by_step.raw, by_request.raw)
+
+
+@behaviour
+def test_a_random_step_fill_keeps_its_statistics(vllm_config_for):
+    pool = make_pool(64)
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=0.25, fill_std=0.5), pool
+    )
+    requests = step_requests(40, 64)
+    start_fill(connector, requests)
+    attention_ids = sorted(union_of(requests, 64) & set(range(1, 32)))
+    values = torch.stack([pool.attention_block(b) for b in attention_ids]).float()
+    assert abs(values.mean().item() - 0.25) < 0.02
+    assert abs(values.std().item() - 0.5) < 0.02
+
+
 @behaviour
 def test_invalid_null_and_duplicate_ids(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)

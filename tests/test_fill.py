@@ -69,7 +69,10 @@ def test_fill_writes_exactly_the_kernel_rows_of_the_requested_blocks(
     encoding = torch.float8_e4m3fn if dtype == torch.uint8 else None
     value = FillValue(0.5, std, encoding)
     report = fill.fill_cache_blocks_(
-        cache, block_ids, num_blocks, value, block_size=kernel_tokens * ratio
+        cache,
+        fill.BlockSet(block_ids, num_blocks),
+        value,
+        block_size=kernel_tokens * ratio,
     )
     rows = expected_rows(block_ids, num_blocks, ratio)
     assert report.written is (Written.ROWS if rows else Written.NOTHING)
@@ -87,7 +90,7 @@ def test_fill_writes_exactly_the_kernel_rows_of_the_requested_blocks(
 @pytest.mark.parametrize("ratio", [2, 4])
 def test_split_ratio_without_a_block_size_comes_from_the_dimension(ratio):
     cache = torch.zeros(6 * ratio, 16 // ratio, 8)
-    fill.fill_cache_blocks_(cache, [2, 5], 6, FillValue(1.0))
+    fill.fill_cache_blocks_(cache, fill.BlockSet([2, 5], 6), FillValue(1.0))
     filled = {r for r in range(6 * ratio) if cache[r].any()}
     assert filled == {b * ratio + j for b in (2, 5) for j in range(ratio)}
 
@@ -96,7 +99,9 @@ def test_a_split_that_the_block_size_contradicts_is_not_filled():
     # 12 rows for 6 blocks would be a split by 2, into kernel blocks of
     # 8 tokens; the tensor has no 8-token dimension, so it is not one.
     cache = torch.zeros(12, 2, 16, 4)
-    report = fill.fill_cache_blocks_(cache, [1], 6, FillValue(1.0), block_size=16)
+    report = fill.fill_cache_blocks_(
+        cache, fill.BlockSet([1], 6), FillValue(1.0), block_size=16
+    )
     assert report.written is Written.NO_BLOCK_DIM
     assert not cache.any()
 
@@ -121,7 +126,9 @@ def test_random_fill_changes_only_requested_rows(
     before = cache.clone()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fill, "SCRATCH_BYTES", scratch_bytes)
-        fill.fill_cache_blocks_(cache, block_ids, num_blocks, FillValue(0.0, 1.0))
+        fill.fill_cache_blocks_(
+            cache, fill.BlockSet(block_ids, num_blocks), FillValue(0.0, 1.0)
+        )
     rows = reference_rows(block_ids, num_blocks)
     for b in range(num_blocks):
         if b in rows:
@@ -133,7 +140,7 @@ def test_random_fill_changes_only_requested_rows(
 
 def test_random_fill_is_normal_distributed():
     cache = torch.zeros(8, 64, 1024)
-    fill.fill_cache_blocks_(cache, [2, 3, 5], 8, FillValue(0.5, 0.25))
+    fill.fill_cache_blocks_(cache, fill.BlockSet([2, 3, 5], 8), FillValue(0.5, 0.25))
     filled = cache[[2, 3, 5]]
     assert abs(filled.mean().item() - 0.5) < 0.01
     assert abs(filled.std().item() - 0.25) < 0.01
@@ -145,7 +152,9 @@ def test_random_fill_is_normal_distributed():
 @pytest.mark.parametrize("std", [0.0, 0.5])
 def test_fp8_cache_stored_as_uint8_gets_the_encoded_value(encoding, std):
     cache = torch.full((6, 4, 8), 0xAB, dtype=torch.uint8)
-    fill.fill_cache_blocks_(cache, [1, 4], 6, FillValue(0.015, std, encoding))
+    fill.fill_cache_blocks_(
+        cache, fill.BlockSet([1, 4], 6), FillValue(0.015, std, encoding)
+    )
     for b in (0, 2, 3, 5):
         assert (cache[b] == 0xAB).all()
     decoded = cache[[1, 4]].view(encoding).float()
@@ -158,10 +167,23 @@ def test_fp8_cache_stored_as_uint8_gets_the_encoded_value(encoding, std):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.bool])
 def test_integer_cache_is_zero_filled_and_reported(dtype):
     cache = torch.ones((5, 3), dtype=dtype)
-    report = fill.fill_cache_blocks_(cache, [2], 5, FillValue(0.015, 0.3))
+    report = fill.fill_cache_blocks_(
+        cache, fill.BlockSet([2], 5), FillValue(0.015, 0.3)
+    )
     assert report == fill.FillReport(Written.ROWS, zeroed=True)
     assert not cache[2].any()
     assert cache[[0, 1, 3, 4]].all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_ids=block_id_lists, ratio=st.sampled_from([1, 2, 3]))
+def test_row_index_lists_every_row_of_the_runs_once_in_order(block_ids, ratio):
+    rows = fill.BlockSet(block_ids, 30).rows(ratio)
+    expected = [
+        b * ratio + j for b in reference_rows(block_ids, 30) for j in range(ratio)
+    ]
+    assert rows.index(torch.device("cpu")).tolist() == expected
+    assert rows.num_rows == len(expected)
 
 
 def test_block_runs_normalise_ids():
@@ -171,7 +193,7 @@ def test_block_runs_normalise_ids():
 
 def test_null_block_is_never_filled():
     cache = torch.zeros(4, 2)
-    report = fill.fill_cache_blocks_(cache, [0], 4, FillValue(1.0))
+    report = fill.fill_cache_blocks_(cache, fill.BlockSet([0], 4), FillValue(1.0))
     assert report.written is Written.NOTHING
     assert not cache.any()
 
@@ -183,7 +205,7 @@ def test_many_scattered_blocks(row_elements, dtype, std):
     # Small rows take one indexed kernel, rows of 32 KiB and more a loop (CPU).
     cache = torch.full((64, row_elements), 1000.0, dtype=dtype)
     ids = list(range(1, 64, 2))
-    fill.fill_cache_blocks_(cache, ids, 64, FillValue(2.0, std))
+    fill.fill_cache_blocks_(cache, fill.BlockSet(ids, 64), FillValue(2.0, std))
     filled = cache[ids].float()
     assert (filled == 2).all() if std == 0 else (filled.abs() < 100).all()
     assert (cache[list(range(0, 64, 2))] == 1000).all()
@@ -191,7 +213,7 @@ def test_many_scattered_blocks(row_elements, dtype, std):
 
 def test_tensor_without_block_dimension_is_left_alone():
     cache = torch.zeros(3, 5)
-    report = fill.fill_cache_blocks_(cache, [1], 7, FillValue(1.0))
+    report = fill.fill_cache_blocks_(cache, fill.BlockSet([1], 7), FillValue(1.0))
     assert report.written is Written.NO_BLOCK_DIM
     assert not cache.any()
 
@@ -202,7 +224,7 @@ def test_state_fill_takes_rows_of_block_indexed_states_and_whole_others():
     ssm = torch.as_strided(pool, (10, 6), (12, 1), 6)
     no_block_dim = torch.zeros(4, 4)
     reports = fill.fill_state_blocks_(
-        (conv, ssm, no_block_dim), [3, 7], 10, FillValue(1.5)
+        (conv, ssm, no_block_dim), fill.BlockSet([3, 7], 10), FillValue(1.5)
     )
     assert [r.written for r in reports] == [
         Written.ROWS,
@@ -218,6 +240,8 @@ def test_state_fill_takes_rows_of_block_indexed_states_and_whole_others():
 def test_random_whole_tensor_fill_larger_than_scratch(monkeypatch):
     monkeypatch.setattr(fill, "SCRATCH_BYTES", 16)
     state = torch.zeros(1, 3, 7)
-    reports = fill.fill_state_blocks_([state], [1], 5, FillValue(0.0, 1.0))
+    reports = fill.fill_state_blocks_(
+        [state], fill.BlockSet([1], 5), FillValue(0.0, 1.0)
+    )
     assert reports[0].written is Written.WHOLE_TENSOR
     assert state.ne(0).all()

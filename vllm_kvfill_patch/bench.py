@@ -1,6 +1,12 @@
 """Benchmark: the patched fill against upstream's and against the physical limit.
 
-    python -m vllm_kvfill_patch.bench [--device cuda] [--repeats N]
+    python -m vllm_kvfill_patch.bench [--device cuda] [--repeats N] [--table T]
+
+Two tables. "calls": one `_fill_blocks` call per case, upstream's and the
+overlay's. "step": one scheduler step admitting 1 - 1024 requests of a
+48-layer hybrid model, through `start_fill_kv`: upstream's step, the
+overlay request by request, the overlay's one fill per group per step, and
+the limit (in-place fills of the same rows, an index prebuilt per tensor).
 
 Upstream's implementation is the installed vLLM's own ``_fill_blocks`` (the
 original function, unwrapped), called on a worker holding one layer. Run it
@@ -117,14 +123,18 @@ def cases() -> list[Case]:
     ]
 
 
-def upstream_fill_blocks() -> tuple[type, Callable]:
-    """The installed vLLM's worker class and its original `_fill_blocks`."""
+def upstream_method(name: str) -> tuple[type, Callable]:
+    """The installed vLLM's worker class and its original method `name`.
+
+    Upstream's own function, under any wrapper of ours: within it, calls to
+    other methods (start_fill_kv calls self._fill_blocks) would reach our
+    wrappers, so the patch is reverted while upstream is measured.
+    """
     import importlib
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls = module.DecodeBenchConnectorWorker
-    chain = list(wrapt.wrapper_chain(worker_cls.__dict__["_fill_blocks"]))
-    return worker_cls, chain[-1]
+    return worker_cls, wrapt.unwrapped(worker_cls.__dict__[name])
 
 
 def one_layer_worker(worker_cls: type, cache, case: Case, mean: float):
@@ -139,7 +149,9 @@ def one_layer_worker(worker_cls: type, cache, case: Case, mean: float):
     return worker
 
 
-def measure(call: Callable[[], None], device: torch.device, repeats: int) -> Measured:
+def measure(
+    call: Callable[[], None], device: torch.device, repeats: int, peak: bool = True
+) -> Measured:
     try:
         call()  # warm-up, and the first error
     except Exception as exc:  # noqa: BLE001 - upstream may crash; report it
@@ -151,7 +163,8 @@ def measure(call: Callable[[], None], device: torch.device, repeats: int) -> Mea
         call()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return Measured(statistics.median(times), peak_allocated(call, device))
+    peak_bytes = peak_allocated(call, device) if peak else None
+    return Measured(statistics.median(times), peak_bytes)
 
 
 def synchronize(device: torch.device) -> None:
@@ -180,7 +193,7 @@ def peak_allocated(call: Callable[[], None], device: torch.device) -> int:
 
 
 def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dict:
-    worker_cls, upstream = upstream_fill_blocks()
+    worker_cls, upstream = upstream_method("_fill_blocks")
     from vllm_kvfill_patch.replacement import fill_blocks
 
     limit_buffer = torch.empty(case.filled_bytes, dtype=torch.uint8, device=device)
@@ -239,16 +252,183 @@ def format_row(case: Case, result: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+# The step table: one admission step of a Qwen3-Next-like hybrid model.
+
+STEP_ATTENTION_LAYERS = 12
+STEP_LINEAR_LAYERS = 36
+STEP_LINEAR_GROUPS = 3
+"""vLLM's hybrid allocator puts 12 linear-attention layers in each of three
+groups beside the attention group, all over one pool per layer slot."""
+STEP_ATTENTION_BLOCKS, STEP_STATE_BLOCKS = 8, 1
+"""Per request: a 128-token prompt in 16-token attention blocks; one state
+block per linear group (prefix caching off)."""
+STEP_PAGE_BYTES = 4096
+STEP_ATTENTION_BLOCK = (2, 16, 1, 64)  # K/V, tokens, heads, head_dim; bf16
+STEP_STATES = ((3, 128), (2, 16, 16))  # conv, recurrent; fp32
+"""Qwen3-Next-80B at TP=4 has 536 KiB pages (conv (3, 2048), recurrent
+(8, 128, 128) in fp32): scaled down 128x in channels and heads, to 4 KiB
+pages, so that a pool for 1024 requests is 12 x 11,265 pages = 540 MiB."""
+STEP_REQUESTS = (1, 16, 256, 1024)
+UPSTREAM_MAX_REQUESTS = 256
+"""Upstream 0.24 fills every state tensor whole per request: its step grows
+with requests x pool, and at 1024 requests would take minutes."""
+
+
+def step_worker(worker_cls: type, requests: int, device: torch.device, mean: float):
+    """A worker holding the step's 48 layers over shared pools, and the step's
+    metadata ``{req_id: (block_ids_per_group, num_tokens)}``."""
+    from vllm_kvfill_patch.replacement import LAYOUT_ATTR, CacheLayout
+
+    blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
+    num_blocks = 1 + requests * blocks_per_request
+    page_floats = STEP_PAGE_BYTES // 4
+    caches, groups = {}, {g: [] for g in range(1 + STEP_LINEAR_GROUPS)}
+    for slot in range(STEP_ATTENTION_LAYERS):
+        pool = torch.zeros(num_blocks * page_floats, device=device)
+        attention = f"layers.{slot}.attn"
+        caches[attention] = pool.view(torch.bfloat16).view(
+            num_blocks, *STEP_ATTENTION_BLOCK
+        )
+        groups[0].append(attention)
+        for group in range(1, 1 + STEP_LINEAR_GROUPS):
+            states, offset = [], 0
+            for shape in STEP_STATES:
+                inner = [torch.Size(shape[i + 1 :]).numel() for i in range(len(shape))]
+                states.append(
+                    torch.as_strided(
+                        pool, (num_blocks, *shape), (page_floats, *inner), offset
+                    )
+                )
+                offset += torch.Size(shape).numel()
+            linear = f"layers.{slot}.linear{group}"
+            caches[linear] = states
+            groups[group].append(linear)
+    worker = object.__new__(worker_cls)
+    worker.kv_caches, worker.group_to_layers = caches, groups
+    worker.fill_mean, worker.fill_std = mean, 0.0
+    setattr(worker, LAYOUT_ATTR, CacheLayout(num_blocks, None))
+    # Blocks as the allocator hands them out: interleaved between requests.
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
+    free = (order + 1).tolist()
+    reqs = {}
+    for r in range(requests):
+        ids = [free.pop() for _ in range(blocks_per_request)]
+        per_group = [ids[:STEP_ATTENTION_BLOCKS]] + [
+            [ids[STEP_ATTENTION_BLOCKS + g]] for g in range(STEP_LINEAR_GROUPS)
+        ]
+        reqs[f"r{r}"] = (tuple(per_group), 16 * STEP_ATTENTION_BLOCKS)
+    return worker, reqs
+
+
+def step_limit(worker, reqs: dict, mean: float) -> Callable[[], None]:
+    """In-place fills of the same rows, the index prebuilt per tensor."""
+    by_group: dict[int, list[int]] = {}
+    for block_ids_per_group, _ in reqs.values():
+        for g, ids in enumerate(block_ids_per_group):
+            by_group.setdefault(g, []).extend(ids)
+    fills = []
+    for g, ids in by_group.items():
+        for name in worker.group_to_layers[g]:
+            cache = worker.kv_caches[name]
+            for tensor in cache if isinstance(cache, list) else [cache]:
+                index = torch.tensor(sorted(set(ids)), device=tensor.device)
+                fills.append((tensor, index))
+
+    def limit():
+        for tensor, index in fills:
+            tensor.index_fill_(0, index, mean)
+
+    return limit
+
+
+def step_table(device: torch.device, repeats: int, mean: float) -> None:
+    print(
+        "\n| requests | layer fills | filled MiB | limit ms | upstream step ms "
+        "| overlay per request ms | overlay per step ms | step/limit "
+        "| upstream/step | per-request overhead us |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for requests in STEP_REQUESTS:
+        print(step_row(requests, device, repeats, mean), flush=True)
+    print(
+        f"(upstream not run above {UPSTREAM_MAX_REQUESTS} requests: its step grows "
+        "with requests x pool size)"
+    )
+
+
+def step_row(requests: int, device: torch.device, repeats: int, mean: float) -> str:
+    import importlib
+
+    from vllm_kvfill_patch.replacement import fill_blocks, fill_step
+
+    module = importlib.import_module(CONNECTOR_MODULE)
+    worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
+    worker, reqs = step_worker(worker_cls, requests, device, mean)
+    metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
+    filled_bytes = (
+        requests
+        * (
+            STEP_ATTENTION_BLOCKS * STEP_ATTENTION_LAYERS
+            + STEP_STATE_BLOCKS * STEP_LINEAR_LAYERS
+        )
+        * STEP_PAGE_BYTES
+    )
+
+    def per_request():
+        for block_ids_per_group, tokens in reqs.values():
+            for g, ids in enumerate(block_ids_per_group):
+                fill_blocks(None, worker, (g, ids, tokens), {})
+
+    limit = measure(step_limit(worker, reqs, mean), device, repeats, peak=False)
+    step = measure(
+        lambda: fill_step(None, worker, (metadata,), {}), device, repeats, peak=False
+    )
+    by_request = measure(per_request, device, max(1, repeats // 4), peak=False)
+    upstream = Measured(None, None, "not run")
+    if requests <= UPSTREAM_MAX_REQUESTS:
+        vllm_kvfill_patch.revert()  # upstream's step calls self._fill_blocks
+        upstream = measure(
+            lambda: upstream_fill_kv(worker, metadata),
+            device,
+            1 if requests > 16 else repeats,
+            peak=False,
+        )
+        vllm_kvfill_patch.apply()
+    vs_upstream = "-" if upstream.seconds is None else upstream.seconds / step.seconds
+    cells = [
+        str(requests),
+        f"{requests * len(worker.kv_caches):,}",
+        f"{filled_bytes / MIB:.1f}",
+        f"{limit.seconds * 1e3:.2f}",
+        _ms(upstream),
+        f"{by_request.seconds * 1e3:.2f}",
+        f"{step.seconds * 1e3:.2f}",
+        f"{step.seconds / limit.seconds:.2f}x",
+        vs_upstream if vs_upstream == "-" else f"{vs_upstream:.0f}x",
+        f"{(step.seconds - limit.seconds) / requests * 1e6:.1f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _ms(m: Measured) -> str:
+    if m.seconds is None:
+        return m.error if m.error == "not run" else "crash"
+    return f"{m.seconds * 1e3:.2f}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--mean", type=float, default=0.015)
+    parser.add_argument(
+        "--table", choices=("calls", "step", "all"), default="all", help="which table"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
 
     vllm_kvfill_patch.apply()
-    _, upstream = upstream_fill_blocks()
+    _, upstream = upstream_method("_fill_blocks")
     status = vllm_kvfill_patch.status()
     print(
         f"vLLM {status.vllm_version}; patch {status.decision.value}; "
@@ -261,11 +441,14 @@ def main(argv: list[str] | None = None) -> None:
         "| overlay/upstream | upstream peak MiB | overlay peak MiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for case in cases():
-        print(
-            format_row(case, run_case(case, device, args.repeats, args.mean)),
-            flush=True,
-        )
+    if args.table in ("calls", "all"):
+        for case in cases():
+            print(
+                format_row(case, run_case(case, device, args.repeats, args.mean)),
+                flush=True,
+            )
+    if args.table in ("step", "all"):
+        step_table(device, args.repeats, args.mean)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,51 @@ def block_runs(block_ids: Iterable[int], num_blocks: int) -> list[tuple[int, int
     return runs
 
 
+class RowRuns:
+    """Rows to fill as sorted `(start, length)` runs, with their index tensor
+    built at most once per device (for the indexed kernels)."""
+
+    def __init__(self, runs: list[tuple[int, int]]) -> None:
+        self.runs = runs
+        self.num_rows = sum(length for _, length in runs)
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        if device not in self._index:
+            starts = torch.tensor([start for start, _ in self.runs], dtype=torch.long)
+            lengths = torch.tensor([n for _, n in self.runs], dtype=torch.long)
+            # Row i of run k is starts[k] + i: one vectorised build, not an
+            # arange per run; copied to the device once.
+            offsets = torch.arange(self.num_rows) - torch.repeat_interleave(
+                lengths.cumsum(0) - lengths, lengths
+            )
+            index = torch.repeat_interleave(starts, lengths) + offsets
+            self._index[device] = index.to(device)
+        return self._index[device]
+
+
+class BlockSet:
+    """The valid requested blocks of one KV-cache group, built once and shared
+    by every tensor filled with them: a scheduler step's fill builds one per
+    group, whatever the number of layers, state tensors and requests.
+
+    Ids outside ``1 .. num_blocks - 1`` are dropped, duplicates count once.
+    """
+
+    def __init__(self, block_ids: Iterable[int], num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.runs = block_runs(block_ids, num_blocks)
+        self._rows: dict[int, RowRuns] = {}
+
+    def rows(self, ratio: int = 1) -> RowRuns:
+        """The rows of these blocks where each block is `ratio` rows."""
+        if ratio not in self._rows:
+            self._rows[ratio] = RowRuns(
+                [(start * ratio, length * ratio) for start, length in self.runs]
+            )
+        return self._rows[ratio]
+
+
 @dataclass(frozen=True)
 class BlockDim:
     """Where an attention cache keeps its blocks.
@@ -135,52 +180,41 @@ def find_block_dim(
 
 def fill_cache_blocks_(
     cache: torch.Tensor,
-    block_ids: Iterable[int],
-    num_blocks: int,
+    blocks: BlockSet,
     value: FillValue,
     block_size: int | None = None,
 ) -> FillReport:
-    """Fill the rows of `block_ids` along an attention cache's block dimension.
+    """Fill the rows of `blocks` along an attention cache's block dimension.
 
     Each block's kernel rows, where the cache is kernel-split. A tensor with
     no block dimension (``find_block_dim``) is left untouched.
     """
-    found = find_block_dim(cache.shape, num_blocks, block_size)
+    found = find_block_dim(cache.shape, blocks.num_blocks, block_size)
     if found is None:
         return FillReport(Written.NO_BLOCK_DIM)
-    runs = [
-        (start * found.ratio, length * found.ratio)
-        for start, length in block_runs(block_ids, num_blocks)
-    ]
-    return _fill_runs_(cache.movedim(found.dim, 0), runs, value)
+    return _fill_runs_(cache.movedim(found.dim, 0), blocks.rows(found.ratio), value)
 
 
 def fill_state_blocks_(
-    states: Sequence[torch.Tensor],
-    block_ids: Iterable[int],
-    num_blocks: int,
-    value: FillValue,
+    states: Sequence[torch.Tensor], blocks: BlockSet, value: FillValue
 ) -> list[FillReport]:
     """Fill the rows of `block_ids` in each Mamba / linear-attention state.
 
     A state whose dim 0 is not `num_blocks` has no block rows to pick, so it
     is filled whole and reported as such.
     """
-    runs = block_runs(block_ids, num_blocks)
     reports = []
     for state in states:
-        if state.dim() >= 1 and state.shape[0] == num_blocks:
-            reports.append(_fill_runs_(state, runs, value))
+        if state.dim() >= 1 and state.shape[0] == blocks.num_blocks:
+            reports.append(_fill_runs_(state, blocks.rows(), value))
         else:
             zeroed = _fill_whole_(state, value)
             reports.append(FillReport(Written.WHOLE_TENSOR, zeroed))
     return reports
 
 
-def _fill_runs_(
-    rows: torch.Tensor, runs: list[tuple[int, int]], value: FillValue
-) -> FillReport:
-    if not runs:
+def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillReport:
+    if not runs.runs:
         return FillReport(Written.NOTHING)
     constant = _constant_for(rows.dtype, value)
     zeroed = constant is None
@@ -193,7 +227,7 @@ def _fill_runs_(
 
 def _fill_whole_(tensor: torch.Tensor, value: FillValue) -> bool:
     """Fill all of `tensor`; True if zeros were written for want of a dtype."""
-    return _fill_runs_(tensor.unsqueeze(0), [(0, 1)], value).zeroed
+    return _fill_runs_(tensor.unsqueeze(0), RowRuns([(0, 1)]), value).zeroed
 
 
 def _constant_for(dtype: torch.dtype, value: FillValue) -> float | int | None:
@@ -211,25 +245,23 @@ def _is_float8(dtype: torch.dtype | None) -> bool:
 
 
 def _fill_constant_runs_(
-    rows: torch.Tensor, runs: list[tuple[int, int]], constant: float | int
+    rows: torch.Tensor, runs: RowRuns, constant: float | int
 ) -> None:
     if _indexed(rows, runs):
-        rows.index_fill_(0, _run_index(runs, rows.device), constant)
+        rows.index_fill_(0, runs.index(rows.device), constant)
     else:
-        for start, length in runs:
+        for start, length in runs.runs:
             rows[start : start + length].fill_(constant)
 
 
-def _indexed(rows: torch.Tensor, runs: list[tuple[int, int]]) -> bool:
+def _indexed(rows: torch.Tensor, runs: RowRuns) -> bool:
     """Whether one indexed kernel should fill these runs, not a loop."""
-    if len(runs) < INDEXED_FILL_MIN_RUNS:
+    if len(runs.runs) < INDEXED_FILL_MIN_RUNS:
         return False
     return rows.device.type != "cpu" or rows[0].nbytes < CPU_LOOP_MIN_ROW_BYTES
 
 
-def _fill_random_runs_(
-    rows: torch.Tensor, runs: list[tuple[int, int]], value: FillValue
-) -> None:
+def _fill_random_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:
     indexed = _indexed(rows, runs)
     if rows.dtype in (torch.float32, torch.float64) and not indexed:
         _sample_in_place_(rows, runs, value)
@@ -240,17 +272,17 @@ def _fill_random_runs_(
     converts = rows.dtype != sample_dtype and (indexed or rows.dtype == torch.uint8)
     row_elements = max(1, rows[0].numel())
     scratch = _scratch(
-        sum(length for _, length in runs) * row_elements,
+        runs.num_rows * row_elements,
         rows,
         sample_dtype,
         rows.dtype.itemsize if converts else 0,
     )
     rows_per_chunk = scratch.numel() // row_elements
     if not indexed or rows_per_chunk == 0:
-        for start, length in runs:
+        for start, length in runs.runs:
             _copy_samples_(rows[start : start + length], scratch, value)
         return
-    for chunk in _run_index(runs, rows.device).split(rows_per_chunk):
+    for chunk in runs.index(rows.device).split(rows_per_chunk):
         samples = scratch[: chunk.numel() * row_elements].view(
             (chunk.numel(), *rows.shape[1:])
         )
@@ -258,11 +290,9 @@ def _fill_random_runs_(
         rows.index_copy_(0, chunk, _encode(samples, rows.dtype, value))
 
 
-def _sample_in_place_(
-    rows: torch.Tensor, runs: list[tuple[int, int]], value: FillValue
-) -> None:
+def _sample_in_place_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:
     """Sample straight into contiguous runs; others go through a scratch."""
-    for start, length in runs:
+    for start, length in runs.runs:
         run = rows[start : start + length]
         if run.is_contiguous():
             run.normal_(value.mean, value.std)
@@ -312,9 +342,3 @@ def _encode(
     if dtype == torch.uint8 and _is_float8(value.encoding):
         return samples.to(value.encoding).view(torch.uint8)
     return samples.to(dtype)
-
-
-def _run_index(runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    return torch.cat(
-        [torch.arange(start, start + length) for start, length in runs]
-    ).to(device)

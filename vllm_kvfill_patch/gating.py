@@ -17,6 +17,7 @@ from vllm_kvfill_patch.releases import policy_for
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
 FILL_SIGNATURE = ("self", "group_idx", "block_ids", "num_tokens")
+STEP_SIGNATURE = ("self", "metadata")
 
 
 class Decision(str, enum.Enum):
@@ -69,6 +70,15 @@ def _judge_structure(module: ModuleType) -> Verdict:
         return Verdict(
             Decision.REFUSED,
             f"expected _fill_blocks{FILL_SIGNATURE}, found _fill_blocks{params}",
+        )
+    start_fill_kv = getattr(worker_cls, "start_fill_kv", None)
+    step_params = (
+        tuple(inspect.signature(start_fill_kv).parameters) if start_fill_kv else ()
+    )
+    if step_params != STEP_SIGNATURE:
+        return Verdict(
+            Decision.REFUSED,
+            f"expected start_fill_kv{STEP_SIGNATURE}, found start_fill_kv{step_params}",
         )
     if "kv_cache_config" in inspect.signature(worker_cls.__init__).parameters:
         return Verdict(

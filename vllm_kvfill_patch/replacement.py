@@ -2,7 +2,8 @@
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
-    ``DecodeBenchConnectorWorker._fill_blocks`` is replaced by :func:`fill_blocks`;
+    ``DecodeBenchConnectorWorker.start_fill_kv`` is replaced by :func:`fill_step`
+    and ``DecodeBenchConnectorWorker._fill_blocks`` by :func:`fill_blocks`;
     ``DecodeBenchConnector.register_kv_caches`` is wrapped by
     :func:`register_kv_caches`, which runs upstream's method and then records
     the cache layout and the real KV-cache groups on the worker.
@@ -19,8 +20,12 @@ Why
     whole pool per Mamba layer per request. In the same releases every layer
     is mapped to group 0, so Mamba layers are filled at the attention group's
     block ids, and FlashAttention's ``(2, num_blocks, ...)`` cache (<= 0.22)
-    is indexed on dim 0. The attention path also builds a temporary the size
-    of the filled region and scatters it.
+    is indexed on dim 0. Kernel-split attention caches (the model runner's
+    ``num_blocks * r`` kernel blocks, common on hybrid models) get no fill
+    from the overlay's first version, and kernel row ``b`` from upstream.
+    The attention path also builds a temporary the size of the filled region
+    and scatters it, per request x group x layer: at hundreds of requests per
+    scheduler step the fill is most of the step (#56473, #57847).
 
 How
     Each layer of the group being filled gets exactly the rows of that
@@ -29,7 +34,11 @@ How
     cache goes to the block-row fill, a list/tuple of tensors to the state
     fill, anything else is skipped with one warning per layer. The group map
     comes from ``kv_cache_config.kv_cache_groups`` where upstream collapsed it
-    to group 0; the block count from ``kv_cache_config.num_blocks``.
+    to group 0; the block count from ``kv_cache_config.num_blocks``; each
+    group's block size from its spec, to cross-check a kernel split. A step
+    (``start_fill_kv``) fills the union of its requests' block ids once per
+    group: the block set and its row index are built once and shared by
+    every layer and state tensor of the group.
 
 Upstream
     #25986 (the connector), #45080 (the whole-tensor state fill, 0.24.0),
@@ -37,8 +46,8 @@ Upstream
     The same change as a ``git format-patch`` file: ``patches/``.
 
 Versions
-    Applies to vLLM 0.11.1 - 0.29.x; inert before (no connector) and from
-    0.30.0 (upstream's own per-group fill). See ``gating.SUPPORT_POLICY``.
+    Where ``releases.SUPPORT_POLICY`` says "applied" (the README's table,
+    generated from it); the connector's structure decides at run time.
 
 Remove when
     The oldest vLLM you run is 0.30.0 or newer, or carries the block-indexed
@@ -54,6 +63,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_kvfill_patch.fill import (
+    BlockSet,
     FillReport,
     FillValue,
     Written,
@@ -78,9 +88,41 @@ class CacheLayout:
     cache's split ratio is cross-checked."""
 
 
+def fill_step(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
+    """Replacement for ``DecodeBenchConnectorWorker.start_fill_kv``.
+
+    One fill per KV-cache group per scheduler step: the union of the group's
+    block ids over every request the step admits, each layer and state
+    tensor of the group filled once. The same rows as filling request by
+    request (ids are sets of rows), at a cost that does not grow with the
+    number of requests beyond the rows themselves.
+    """
+    metadata = _start_fill_kv_arguments(*args, **kwargs)
+    requests = metadata.reqs_to_fill
+    if not requests:
+        return
+    block_ids_by_group: dict[int, list[int]] = {}
+    for block_ids_per_group, _num_tokens in requests.values():
+        for group_idx, block_ids in enumerate(block_ids_per_group):
+            block_ids_by_group.setdefault(group_idx, []).extend(block_ids)
+    for group_idx, block_ids in block_ids_by_group.items():
+        _fill_group(worker, group_idx, block_ids)
+    logger.debug(
+        "vllm-kvfill-patch: filled %d requests' blocks in %d groups in one step",
+        len(requests),
+        len(block_ids_by_group),
+    )
+
+
 def fill_blocks(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
-    """Replacement for ``DecodeBenchConnectorWorker._fill_blocks``."""
+    """Replacement for ``DecodeBenchConnectorWorker._fill_blocks`` (one
+    request's blocks of one group), for anyone who calls it directly."""
     group_idx, block_ids = _fill_blocks_arguments(*args, **kwargs)
+    _fill_group(worker, group_idx, block_ids)
+
+
+def _fill_group(worker: Any, group_idx: int, block_ids: list[int]) -> None:
+    """Fill `block_ids` in every layer of group `group_idx`, in place."""
     if not block_ids or not worker.kv_caches or not worker.group_to_layers:
         return
     layout = getattr(worker, LAYOUT_ATTR, None) or layout_from(worker, None)
@@ -90,22 +132,20 @@ def fill_blocks(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
             "KV-cache config, cache_config.num_gpu_blocks unset); not filling"
         )
         return
+    blocks = BlockSet(block_ids, layout.num_blocks)
+    if not blocks.runs:
+        return
     value = FillValue(worker.fill_mean, worker.fill_std, layout.encoding)
+    block_size = layout.block_sizes.get(group_idx)
     for layer_name in worker.group_to_layers.get(group_idx, []):
         cache = worker.kv_caches.get(layer_name)
         if isinstance(cache, torch.Tensor):
-            report = fill_cache_blocks_(
-                cache,
-                block_ids,
-                layout.num_blocks,
-                value,
-                layout.block_sizes.get(group_idx),
-            )
+            report = fill_cache_blocks_(cache, blocks, value, block_size)
             _log_report(layer_name, report, cache, layout.num_blocks)
         elif isinstance(cache, (list, tuple)) and all(
             isinstance(state, torch.Tensor) for state in cache
         ):
-            reports = fill_state_blocks_(cache, block_ids, layout.num_blocks, value)
+            reports = fill_state_blocks_(cache, blocks, value)
             for state, report in zip(cache, reports, strict=True):
                 _log_report(layer_name, report, state, layout.num_blocks)
         else:
@@ -165,10 +205,15 @@ def fp8_encoding(cache_dtype: str) -> torch.dtype | None:
 
 
 WRAPPERS = {
+    "DecodeBenchConnectorWorker.start_fill_kv": fill_step,
     "DecodeBenchConnectorWorker._fill_blocks": fill_blocks,
     "DecodeBenchConnector.register_kv_caches": register_kv_caches,
 }
 """The attributes the patch wraps, by dotted path in the connector module."""
+
+
+def _start_fill_kv_arguments(metadata: Any) -> Any:
+    return metadata
 
 
 def _fill_blocks_arguments(

@@ -42,7 +42,8 @@ def worker_report(worker=None) -> dict:
 
 
 def install_spy(fills: list) -> None:
-    """An outermost wrapper on _fill_blocks comparing every cache before/after."""
+    """An outermost wrapper on start_fill_kv (one scheduler step's fills)
+    comparing every cache before and after."""
     import torch
     import wrapt
     from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
@@ -57,13 +58,19 @@ def install_spy(fills: list) -> None:
         return tensor.reshape(num_blocks, -1)
 
     def spy(wrapped, worker, args, kwargs):
-        group_idx, block_ids = args[0], args[1]
+        requests = args[0].reqs_to_fill
         before = {
             name: [t.clone() for t in tensors(cache)]
             for name, cache in worker.kv_caches.items()
         }
         result = wrapped(*args, **kwargs)
+        if not requests:
+            return result
         num_blocks = worker._kvfill_layout.num_blocks
+        block_ids_by_group: dict = {}
+        for block_ids_per_group, _ in requests.values():
+            for group_idx, block_ids in enumerate(block_ids_per_group):
+                block_ids_by_group.setdefault(group_idx, set()).update(block_ids)
         changed, split = {}, {}
         for name, cache in worker.kv_caches.items():
             rows = set()
@@ -74,6 +81,7 @@ def install_spy(fills: list) -> None:
             split[name] = [t.shape[0] // num_blocks for t in tensors(cache)]
         filled_values_ok = all(
             bool((by_block(t, num_blocks)[b].float() - 0.015).abs().max() < 1e-3)
+            for group_idx, block_ids in block_ids_by_group.items()
             for name in worker.group_to_layers[group_idx]
             for t in tensors(worker.kv_caches[name])
             for b in block_ids
@@ -81,9 +89,13 @@ def install_spy(fills: list) -> None:
         )
         fills.append(
             {
-                "group": group_idx,
-                "block_ids": list(block_ids),
-                "group_layers": list(worker.group_to_layers[group_idx]),
+                "requests": len(requests),
+                "block_ids_by_group": {
+                    g: sorted(ids) for g, ids in block_ids_by_group.items()
+                },
+                "layers_by_group": {
+                    g: list(worker.group_to_layers[g]) for g in block_ids_by_group
+                },
                 "changed_rows": changed,
                 "kernel_split": split,
                 "filled_values_ok": filled_values_ok,
@@ -92,7 +104,7 @@ def install_spy(fills: list) -> None:
         return result
 
     wrapt.wrap_function_wrapper(
-        decode_bench_connector, "DecodeBenchConnectorWorker._fill_blocks", spy
+        decode_bench_connector, "DecodeBenchConnectorWorker.start_fill_kv", spy
     )
     del torch
 

@@ -52,53 +52,60 @@ def test_without_the_overlay_the_engine_fails_with_the_list_error():
     assert LIST_CRASH in report["error_chain"]
 
 
+def check_every_step_filled_exactly_its_blocks(fills: list, requests: int) -> None:
+    """Each step: every layer of a group got all of that group's requested
+    blocks, and nothing changed outside the step's requested blocks (the
+    pools are shared: a page written through one group's layer shows in the
+    other group's view at the same row)."""
+    assert sum(fill["requests"] for fill in fills) == requests
+    for fill in fills:
+        requested = {b for ids in fill["block_ids_by_group"].values() for b in ids}
+        requested.discard(0)
+        changed = set()
+        for rows in fill["changed_rows"].values():
+            assert set(rows) <= requested
+            changed |= set(rows)
+        assert changed == requested
+        for group, layers in fill["layers_by_group"].items():
+            wanted = set(fill["block_ids_by_group"][group]) - {0}
+            for layer in layers:
+                assert wanted <= set(fill["changed_rows"][layer]), (group, layer)
+        assert fill["filled_values_ok"]
+
+
 def test_in_process_engine_fills_each_layers_own_group_rows_only():
     report = run_probe({"in_process": True, "import_overlay": True, "spy": True})
     assert report["generated"] == [6] * 5
     fills = report["fills"]
-    groups = {fill["group"]: tuple(fill["group_layers"]) for fill in fills}
-    assert sorted(groups.values()) == [
+    groups = {
+        tuple(layers) for fill in fills for layers in fill["layers_by_group"].values()
+    }
+    assert sorted(groups) == [
         ("model.layers.0.linear_attn",),
         ("model.layers.1.self_attn.attn",),
     ]
-    assert len(fills) == 2 * 5  # one fill per group per request
-    for fill in fills:
-        requested = sorted(set(fill["block_ids"]))
-        # The pools are shared: a page written through one layer's view
-        # shows in the other's at the same row, and nowhere else.
-        for rows in fill["changed_rows"].values():
-            assert set(rows) <= set(requested)
-        for layer in fill["group_layers"]:
-            assert fill["changed_rows"][layer] == requested
-        assert fill["filled_values_ok"]
-    state_blocks = [b for f in fills for b in f["block_ids"]]
-    assert len(state_blocks) == len(set(state_blocks))  # no request's row reused
+    check_every_step_filled_exactly_its_blocks(fills, requests=5)
+    state_blocks = [
+        b
+        for fill in fills
+        for group, layers in fill["layers_by_group"].items()
+        if layers == ["model.layers.0.linear_attn"]
+        for b in fill["block_ids_by_group"][group]
+    ]
+    assert len(state_blocks) == len(set(state_blocks)) == 5  # no row reused
 
 
 def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
     # 256-token manager blocks run as 16-token kernel blocks: ratio 16.
-    report = run_probe(
-        {
-            "in_process": True,
-            "import_overlay": True,
-            "spy": True,
-            "kernel_block_size": 16,
-        }
-    )
+    options = {"in_process": True, "import_overlay": True, "spy": True}
+    report = run_probe({**options, "kernel_block_size": 16})
     assert report["generated"] == [6] * 5
     fills = report["fills"]
     attention = "model.layers.1.self_attn.attn"
     assert fills and all(fill["kernel_split"][attention] == [16] for fill in fills)
-    attention_fills = [f for f in fills if attention in f["group_layers"]]
-    assert len(attention_fills) == 5
-    for fill in fills:
-        requested = sorted(set(fill["block_ids"]) - {0})
-        for rows in fill["changed_rows"].values():
-            assert set(rows) <= set(requested)
-        for layer in fill["group_layers"]:
-            assert fill["changed_rows"][layer] == requested
-        # Every kernel row of each requested block holds the fill value.
-        assert fill["filled_values_ok"]
+    # Every kernel row of each requested block holds the fill value
+    # (filled_values_ok), and no other block's rows changed.
+    check_every_step_filled_exactly_its_blocks(fills, requests=5)
 
 
 def test_multiprocess_engine_is_patched_by_the_entry_point_alone():
@@ -145,9 +152,7 @@ def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
     )
     assert report["workers"][0]["decision"] == "applied"
     assert report["generated"] == [6] * 5
-    for fill in report["fills"]:
-        for rows in fill["changed_rows"].values():
-            assert set(rows) <= set(fill["block_ids"])
+    check_every_step_filled_exactly_its_blocks(report["fills"], requests=5)
 
 
 def free_port() -> int:
