@@ -8,6 +8,7 @@ upstream's file (the default), and upstream's file with a patch from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -71,6 +72,18 @@ def expect_only_pages_changed(pool, before: torch.Tensor, changed: set[int]) -> 
     for block_id in range(pool.num_blocks):
         same = torch.equal(pages[block_id], old[block_id])
         assert same != (block_id in changed), f"block {block_id}"
+
+
+@contextlib.contextmanager
+def fp8_connector(config, pool):
+    """A connector over `pool` whose attention cache is fp8 (e4m3) as uint8."""
+    original = config.cache_config.cache_dtype
+    config.cache_config.cache_dtype = "fp8_e4m3"
+    try:
+        kv_cache_config = make_kv_cache_config(pool, fp8_attention=True)
+        yield make_worker_connector(config, pool, kv_cache_config)
+    finally:
+        config.cache_config.cache_dtype = original
 
 
 def test_without_the_patch_upstream_fails_on_a_list_state_cache(
@@ -226,17 +239,11 @@ def test_kernel_split_fp8_and_mla_caches(vllm_config_for, ratio):
         NUM_BLOCKS * ratio, 2, 16 // ratio, 1, 64, dtype=torch.uint8
     )
     pool.caches[ATTENTION_LAYER] = fp8_cache
-    original = config.cache_config.cache_dtype
-    config.cache_config.cache_dtype = "fp8_e4m3"
-    try:
-        kv_cache_config = make_kv_cache_config(pool, fp8_attention=True)
-        connector = make_worker_connector(config, pool, kv_cache_config)
+    with fp8_connector(config, pool) as connector:
         start_fill(connector, {"r": (([2], []), 16)})
         mla = torch.zeros(NUM_BLOCKS * ratio, 16 // ratio, 72, dtype=torch.uint8)
         connector.connector_worker.kv_caches[ATTENTION_LAYER] = mla
         start_fill(connector, {"r2": (([5], []), 16)})
-    finally:
-        config.cache_config.cache_dtype = original
     byte = torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()
     for cache, block in ((fp8_cache, 2), (mla, 5)):
         rows = list(range(block * ratio, block * ratio + ratio))
@@ -392,14 +399,8 @@ def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     pool = make_pool(NUM_BLOCKS)
     fp8_cache = torch.zeros(NUM_BLOCKS, 2, 16, 1, 64, dtype=torch.uint8)
     pool.caches[ATTENTION_LAYER] = fp8_cache
-    original = config.cache_config.cache_dtype
-    config.cache_config.cache_dtype = "fp8_e4m3"
-    try:
-        kv_cache_config = make_kv_cache_config(pool, fp8_attention=True)
-        connector = make_worker_connector(config, pool, kv_cache_config)
+    with fp8_connector(config, pool) as connector:
         start_fill(connector, {"r": (([2], []), 16)})
-    finally:
-        config.cache_config.cache_dtype = original
     expected = torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert (fp8_cache[2] == expected).all()
     assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()

@@ -84,16 +84,7 @@ def state_case(num_blocks: int) -> Case:
 
     def make_cache(device):
         pool = torch.zeros(num_blocks * page_elements, device=device)
-        states, offset = [], 0
-        for shape in STATE_SHAPES:
-            strides = [torch.Size(shape[i + 1 :]).numel() for i in range(len(shape))]
-            states.append(
-                torch.as_strided(
-                    pool, (num_blocks, *shape), (page_elements, *strides), offset
-                )
-            )
-            offset += torch.Size(shape).numel()
-        return states
+        return state_views(pool, num_blocks, STATE_SHAPES, page_elements)
 
     pool_mib = num_blocks * page_elements * 4 / MIB
     return Case(
@@ -105,6 +96,23 @@ def state_case(num_blocks: int) -> Case:
         num_blocks,
         torch.float32,
     )
+
+
+def state_views(
+    pool: torch.Tensor, num_blocks: int, shapes: tuple, page_elements: int
+) -> list[torch.Tensor]:
+    """Mamba states as vLLM views them: ``(num_blocks, *shape)`` each, over
+    one page per block of `pool`, one after another within the page."""
+    states, offset = [], 0
+    for shape in shapes:
+        strides = [torch.Size(shape[i + 1 :]).numel() for i in range(len(shape))]
+        states.append(
+            torch.as_strided(
+                pool, (num_blocks, *shape), (page_elements, *strides), offset
+            )
+        )
+        offset += torch.Size(shape).numel()
+    return states
 
 
 def cases() -> list[Case]:
@@ -291,17 +299,8 @@ def step_worker(worker_cls: type, requests: int, device: torch.device, mean: flo
         )
         groups[0].append(attention)
         for group in range(1, 1 + STEP_LINEAR_GROUPS):
-            states, offset = [], 0
-            for shape in STEP_STATES:
-                inner = [torch.Size(shape[i + 1 :]).numel() for i in range(len(shape))]
-                states.append(
-                    torch.as_strided(
-                        pool, (num_blocks, *shape), (page_floats, *inner), offset
-                    )
-                )
-                offset += torch.Size(shape).numel()
             linear = f"layers.{slot}.linear{group}"
-            caches[linear] = states
+            caches[linear] = state_views(pool, num_blocks, STEP_STATES, page_floats)
             groups[group].append(linear)
     worker = object.__new__(worker_cls)
     worker.kv_caches, worker.group_to_layers = caches, groups
