@@ -186,7 +186,6 @@ def test_flashattention_kv_first_layout_fills_the_block_dimension(vllm_config_fo
 
 
 @behaviour
-@pytest.mark.kernel_split
 @pytest.mark.parametrize("ratio", [2, 4])
 @pytest.mark.parametrize("fill_std", [0.0, 0.5], ids=["constant", "random"])
 def test_a_kernel_split_cache_gets_all_kernel_rows_of_each_block(
@@ -209,7 +208,6 @@ def test_a_kernel_split_cache_gets_all_kernel_rows_of_each_block(
 
 @behaviour
 @pytest.mark.kv_first_layout
-@pytest.mark.kernel_split
 @pytest.mark.parametrize("ratio", [2, 4])
 def test_flashattention_kv_first_kernel_split_fills_each_blocks_rows(
     vllm_config_for, ratio
@@ -229,7 +227,6 @@ def test_flashattention_kv_first_kernel_split_fills_each_blocks_rows(
 
 
 @behaviour
-@pytest.mark.kernel_split
 @pytest.mark.parametrize("ratio", [2, 4])
 def test_kernel_split_fp8_and_mla_caches(vllm_config_for, ratio):
     config = vllm_config_for(fill_mean=0.5)

@@ -40,13 +40,11 @@ BEHAVIOUR_TESTS = "tests/test_connector.py"
 def behaviour_selection(vllm_version: str) -> str:
     """The behaviour tests a patch for `vllm_version` must pass.
 
-    FlashAttention's (2, num_blocks, ...) layout is gone from 0.23 on, and
-    the forward patch (0.33) leaves attention layouts, kernel-split ones
-    included, to upstream (for now).
+    FlashAttention's (2, num_blocks, ...) layout is gone from 0.23 on.
     """
     if parse_release(vllm_version) < (0, 30, 0):
         return "behaviour"
-    return "behaviour and not kv_first_layout and not kernel_split"
+    return "behaviour and not kv_first_layout"
 
 
 def behaviour_test_ids(selection: str) -> list[str]:

@@ -111,6 +111,10 @@ class RowRuns:
                 lengths.cumsum(0) - lengths, lengths
             )
             index = torch.repeat_interleave(starts, lengths) + offsets
+            if device.type == "cuda":
+                # From pinned memory, non-blocking: a pageable host-to-device
+                # copy synchronises the stream, inside the scheduler step.
+                index = index.pin_memory().to(device, non_blocking=True)
             self._index[device] = index.to(device)
         return self._index[device]
 
