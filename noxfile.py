@@ -152,7 +152,7 @@ def wheel(session: nox.Session) -> None:
     sync(session, "wheel")
     dist = Path(session.create_tmp()) / "dist"
     session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT))
-    built = sorted(dist.iterdir())
+    built = [*dist.glob("*.whl"), *dist.glob("*.tar.gz")]
     session.run("twine", "check", "--strict", *map(str, built))
     install_release(session, "0.23.0", package=str(next(dist.glob("*.whl"))))
     session.chdir(session.create_tmp())  # away from the checkout's package
