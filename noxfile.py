@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -60,11 +61,6 @@ SUITES = {
 }
 PARALLEL = ["-n", "2"]
 """pytest-xdist: most of a suite's time is fresh interpreters importing vLLM."""
-# Inert releases whose upstream defects (kernel-split rows, whole list states)
-# tests/test_upstream.py shows on the real connector.
-UPSTREAM_DEFECTS_SHOWN = {"0.30.0", "0.31.0", "0.33.0"}
-# Releases with a patch file whose upstream has fp8 / zero-fill / startup fill.
-KEEPS_UPSTREAM_FEATURES = {"0.33.0"}
 
 nox.options.default_venv_backend = "uv"
 nox.options.envdir = str(CACHE / "nox")
@@ -104,14 +100,17 @@ def docs(session: nox.Session) -> None:
 def connector(session: nox.Session, vllm: str) -> None:
     """The connector-level suite on one release's real DecodeBenchConnector."""
     install_release(session, vllm)
-    decision = RELEASES["policy_for"](vllm).decision
-    tests = list(SUITES[decision])
-    if vllm in UPSTREAM_DEFECTS_SHOWN:
+    policy = RELEASES["policy_for"](vllm)
+    tests = list(SUITES[policy.decision])
+    # The newest range: upstream's own per-group connector, with fp8,
+    # zero-fill and startup fill, and the defects test_upstream.py shows.
+    newest = policy is RELEASES["SUPPORT_POLICY"][-1]
+    if newest:
         tests.append("tests/test_upstream.py")
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
-    if vllm in KEEPS_UPSTREAM_FEATURES:
-        tests.append("tests/test_patch_keeps_upstream.py")
+        if newest:
+            tests.append("tests/test_patch_keeps_upstream.py")
     session.run("pytest", *PARALLEL, *tests, *session.posargs, env=release_env(vllm))
 
 
@@ -151,6 +150,7 @@ def wheel(session: nox.Session) -> None:
     """
     sync(session, "wheel")
     dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
     session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT))
     built = [*dist.glob("*.whl"), *dist.glob("*.tar.gz")]
     session.run("twine", "check", "--strict", *map(str, built))
