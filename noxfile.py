@@ -16,8 +16,6 @@ import os
 import re
 import runpy
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -67,34 +65,7 @@ PARALLEL = ["-n", "2"]
 nox.options.default_venv_backend = "uv"
 nox.options.envdir = str(CACHE / "nox")
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["ci"]
-
-
-@nox.session(venv_backend="none")
-def ci(session: nox.Session) -> None:
-    """Every test session, in two lanes at once (what `python3 -m nox` runs).
-
-    One session at a time left half of the 2 cores idle (the engine session
-    starts one engine after another); each lane is a `nox -s ...` of its own.
-    """
-    connectors = [f"connector({v})" for v in TESTED]
-    lanes = [
-        ["lint", "policy", "engine", "wheel", *connectors[::4]],
-        [c for i, c in enumerate(connectors) if i % 4],
-    ]
-    logs = [Path(session.create_tmp()) / f"lane-{i}.log" for i in range(len(lanes))]
-    running = []
-    for lane, log in zip(lanes, logs, strict=True):
-        session.log(f"lane {log.stem}: {' '.join(lane)}")
-        with log.open("w") as out:
-            command = [sys.executable, "-m", "nox", "-f", __file__, "-s", *lane]
-            running.append(subprocess.Popen(command, stdout=out, stderr=out))
-    codes = [process.wait() for process in running]
-    for log, code in zip(logs, codes, strict=True):
-        print(log.read_text(), flush=True)
-        session.log(f"lane {log.stem}: exit {code}")
-    if any(codes):
-        session.error("a lane failed (its log is above)")
+nox.options.sessions = ["lint", "policy", "connector", "engine", "wheel"]
 
 
 @nox.session
