@@ -26,7 +26,6 @@ RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
 TESTED: dict[str, str] = RELEASES["TESTED"]
 ENGINE_RELEASE: str = RELEASES["ENGINE_RELEASE"]
 LOCKS = ROOT / "locks"
-PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
 )
@@ -258,8 +257,7 @@ def uv_env() -> dict[str, str]:
 
 def patch_releases() -> list[str]:
     """The releases that have a patch file in patches/."""
-    names = (PATCH_NAME.search(p.name) for p in (ROOT / "patches").glob("*.patch"))
-    return sorted(m.group(1) for m in names if m)
+    return sorted(RELEASES["patches_by_release"](ROOT / "patches"))
 
 
 def detects_cpu_by_vllm_version(site: str) -> bool:

@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.children import CONNECTOR_MODULE
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
+
 CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
-PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
 BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
 
 
@@ -118,11 +118,9 @@ def status_command(cwd: Path = ROOT) -> str:
 
 
 def patches_by_release() -> dict[str, Path]:
-    return {
-        PATCH_NAME.match(p.name).group(1): p
-        for p in sorted((ROOT / "patches").glob("*.patch"))
-        if PATCH_NAME.match(p.name)
-    }
+    from vllm_kvfill_patch.releases import patches_by_release as by_release
+
+    return by_release(ROOT / "patches")
 
 
 def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 APPLIED = "applied"
 INERT = "inert"
@@ -104,6 +105,16 @@ ENGINE_TESTS = {
 """Releases the engine session runs, and how."""
 
 UNTESTED = "not tested here: not in the matrix (one release per connector variant)"
+
+
+PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
+"""patches/ file names: ``NNNN-<subject>-v<release>.patch``."""
+
+
+def patches_by_release(directory: Path) -> dict[str, Path]:
+    """The patch files in `directory` (patches/), by the release they target."""
+    found = ((PATCH_NAME.match(p.name), p) for p in sorted(directory.glob("*.patch")))
+    return {match.group(1): path for match, path in found if match}
 
 
 def parse_release(version: str) -> Release | None:
