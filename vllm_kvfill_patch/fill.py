@@ -44,7 +44,10 @@ class FillValue:
     """What to write: `mean`, or normal(mean, std) samples when std > 0.
 
     `encoding` names the dtype whose bytes a uint8 cache holds (vLLM stores
-    fp8 KV caches as uint8); the value is written in that encoding.
+    fp8 KV caches as uint8); the value is written in that encoding. Values
+    are clamped to the finite range of the dtype written (as vLLM 0.31+
+    does): an out-of-range mean gives the largest finite value, never an
+    overflow error, inf or an fp8 NaN.
     """
 
     mean: float
@@ -221,11 +224,11 @@ def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillRepo
     if not runs.runs:
         return FillReport(Written.NOTHING)
     constant = _constant_for(rows.dtype, value)
-    zeroed = constant is None
-    if zeroed or value.std == 0:
-        _fill_constant_runs_(rows, runs, 0 if zeroed else constant)
+    if constant is None or value.std == 0:
+        _fill_constant_runs_(rows, runs, 0 if constant is None else constant)
     else:
         _fill_random_runs_(rows, runs, value)
+    zeroed = constant is None and bool(value.mean or value.std)
     return FillReport(Written.ROWS, zeroed)
 
 
@@ -236,12 +239,18 @@ def _fill_whole_(tensor: torch.Tensor, value: FillValue) -> bool:
 
 def _constant_for(dtype: torch.dtype, value: FillValue) -> float | int | None:
     """The scalar to write into a tensor of `dtype`, or None if only zeros fit."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return value.mean
+    if dtype.is_floating_point:
+        return _clamped(value.mean, dtype)
     if dtype == torch.uint8 and _is_float8(value.encoding):
-        encoded = torch.tensor(value.mean, dtype=torch.float32).to(value.encoding)
+        mean = _clamped(value.mean, value.encoding)
+        encoded = torch.tensor(mean, dtype=torch.float32).to(value.encoding)
         return int(encoded.view(torch.uint8).item())
     return None
+
+
+def _clamped(number: float, dtype: torch.dtype) -> float:
+    finfo = torch.finfo(dtype)
+    return min(max(number, finfo.min), finfo.max)
 
 
 def _is_float8(dtype: torch.dtype | None) -> bool:
@@ -329,7 +338,7 @@ def _copy_samples_(view: torch.Tensor, scratch: torch.Tensor, value: FillValue) 
         # copy_ converts between floating dtypes itself; fp8 bytes need encoding.
         if view.dtype == torch.uint8:
             samples = _encode(samples, view.dtype, value)
-        view.copy_(samples)
+        view.copy_(_clamp_to_(samples, view.dtype))
         return
     if view.shape[0] == 1:
         _copy_samples_(view[0], scratch, value)
@@ -344,5 +353,13 @@ def _encode(
 ) -> torch.Tensor:
     """`samples` in the cache's `dtype`; for fp8 caches, their encoding's bytes."""
     if dtype == torch.uint8 and _is_float8(value.encoding):
-        return samples.to(value.encoding).view(torch.uint8)
-    return samples.to(dtype)
+        return _clamp_to_(samples, value.encoding).to(value.encoding).view(dtype)
+    return _clamp_to_(samples, dtype).to(dtype)
+
+
+def _clamp_to_(samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp `samples` in place to the finite range of the `dtype` they go to."""
+    if dtype != samples.dtype and dtype.is_floating_point:
+        finfo = torch.finfo(dtype)
+        samples.clamp_(finfo.min, finfo.max)
+    return samples
