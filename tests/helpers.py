@@ -130,9 +130,24 @@ def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedPro
 
 
 def applied_reason(vllm_version: str) -> str:
-    """Why the patch applies to this release, as upstream's code behaves there."""
+    """Why the patch applies to this release, as upstream's code behaves there:
+    every release with the connector (0.11.1 - 0.33) has the last two."""
     from vllm_kvfill_patch.releases import parse_release
 
     if parse_release(vllm_version) < (0, 24, 0):
-        return "_fill_blocks crashes on list/tuple (Mamba) caches"
-    return "_fill_blocks fills list/tuple state tensors whole"
+        states = "_fill_blocks crashes on list/tuple (Mamba) caches"
+    else:
+        states = "_fill_blocks fills list/tuple state tensors whole"
+    return (
+        f"{states}; a kernel-split attention cache gets kernel row b, not "
+        "block b; each request's fill builds a temporary the size of its region"
+    )
+
+
+def decision_lines(report: dict, decision: str) -> int:
+    """How often a child logged ``vllm-kvfill-patch <decision>``, wherever
+    vLLM's own lines went: stdout once vLLM has configured its logging (up
+    to 0.30 at import; from 0.31 when an engine or the CLI starts), else
+    stderr, through Python's last-resort handler, which passes warnings only."""
+    output = report["stdout"] + report["stderr"]
+    return output.count(f"vllm-kvfill-patch {decision}")

@@ -163,16 +163,20 @@ def kv_cache_tensor(tensor_class, num_blocks: int, page_bytes: int, layer: str):
     )
 
 
-def make_worker_connector(vllm_config, pool: HybridPool, kv_cache_config=None):
-    """A real worker-role DecodeBenchConnector with the pool's caches registered."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-        DecodeBenchConnector,
+def make_worker_connector(
+    vllm_config, pool: HybridPool, kv_cache_config=None, module=None
+):
+    """A real worker-role DecodeBenchConnector with the pool's caches registered.
+
+    `module`: the connector module to take it from (default: vLLM's own)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        KVConnectorRole,
+        decode_bench_connector,
     )
 
     if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(pool)
-    connector = DecodeBenchConnector(
+    connector = (module or decode_bench_connector).DecodeBenchConnector(
         vllm_config, KVConnectorRole.WORKER, kv_cache_config
     )
     connector.register_kv_caches(pool.caches)

@@ -27,10 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import wrapt
 
 import vllm_kvfill_patch
-from vllm_kvfill_patch.gating import CONNECTOR_MODULE
+from vllm_kvfill_patch.gating import CONNECTOR_MODULE, bare_worker, upstream_function
 
 MIB = 1024 * 1024
 
@@ -142,17 +141,15 @@ def upstream_method(name: str) -> tuple[type, Callable]:
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls = module.DecodeBenchConnectorWorker
-    return worker_cls, wrapt.unwrapped(worker_cls.__dict__[name])
+    return worker_cls, upstream_function(worker_cls, name)
 
 
 def one_layer_worker(worker_cls: type, cache, case: Case, mean: float):
     from vllm_kvfill_patch.replacement import LAYOUT_ATTR, CacheLayout
 
-    worker = object.__new__(worker_cls)
-    worker.kv_caches = {"layer": cache}
-    worker.group_to_layers = {0: ["layer"]}
-    worker.fill_mean = mean
-    worker.fill_std = case.std
+    worker = bare_worker(
+        worker_cls, {"layer": cache}, {0: ["layer"]}, case.num_blocks, mean, case.std
+    )
     setattr(worker, LAYOUT_ATTR, CacheLayout(case.num_blocks, None))
     return worker
 
@@ -302,9 +299,7 @@ def step_worker(worker_cls: type, requests: int, device: torch.device, mean: flo
             linear = f"layers.{slot}.linear{group}"
             caches[linear] = state_views(pool, num_blocks, STEP_STATES, page_floats)
             groups[group].append(linear)
-    worker = object.__new__(worker_cls)
-    worker.kv_caches, worker.group_to_layers = caches, groups
-    worker.fill_mean, worker.fill_std = mean, 0.0
+    worker = bare_worker(worker_cls, caches, groups, num_blocks, mean)
     setattr(worker, LAYOUT_ATTR, CacheLayout(num_blocks, None))
     # Blocks as the allocator hands them out: interleaved between requests.
     order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
-from vllm_kvfill_patch.releases import policy_for
+from vllm_kvfill_patch.releases import APPLIED, policy_for
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
 FILL_SIGNATURE = ("self", "group_idx", "block_ids", "num_tokens")
@@ -43,6 +43,13 @@ def judge(module: ModuleType, vllm_version: str) -> Verdict:
     policy = policy_for(vllm_version)
     if structural.decision is Decision.REFUSED or policy is None:
         return structural
+    if structural.decision is Decision.INERT and policy.decision == APPLIED:
+        # Staying out is always safe: a patched or fixed connector.
+        return Verdict(
+            Decision.INERT,
+            f"{structural.reason}, although vLLM {vllm_version} is expected to "
+            "need the patch (a patched or fixed connector)",
+        )
     if structural.decision is not Decision(policy.decision):
         return Verdict(
             Decision.REFUSED,
@@ -80,66 +87,147 @@ def _judge_structure(module: ModuleType) -> Verdict:
             Decision.REFUSED,
             f"expected start_fill_kv{STEP_SIGNATURE}, found start_fill_kv{step_params}",
         )
-    if "kv_cache_config" in inspect.signature(worker_cls.__init__).parameters:
-        return Verdict(
-            Decision.INERT,
-            "upstream's worker builds its own per-group layer map from the "
-            "KV-cache config",
-        )
-    return _judge_by_probe(worker_cls, fill_blocks)
+    return _judge_by_probes(module, worker_cls)
 
 
-class _ProbeResult(enum.Enum):
+class _StateProbe(enum.Enum):
     CRASHES = "crashes"
     WHOLE_TENSOR = "whole tensor"
     ROWS_ONLY = "rows only"
 
 
-def _judge_by_probe(worker_cls: type, fill_blocks) -> Verdict:
+def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
+    """Run the original methods on tiny caches and name what they get wrong."""
     try:
-        result = _probe_state_fill(worker_cls, fill_blocks)
+        state = _probe_state_fill(worker_cls)
+        defects = [
+            defect
+            for found, defect in (
+                (state is _StateProbe.CRASHES, DEFECTS["crashes"]),
+                (state is _StateProbe.WHOLE_TENSOR, DEFECTS["whole_states"]),
+                (_probe_kernel_split(worker_cls), DEFECTS["kernel_row"]),
+                (_probe_step_temporaries(module, worker_cls), DEFECTS["temporaries"]),
+            )
+            if found
+        ]
     except Exception as exc:  # noqa: BLE001 - any failure means "unknown"
         return Verdict(
             Decision.REFUSED,
-            "expected _fill_blocks to crash on, or fill, a list state cache; "
-            f"it raised {type(exc).__name__}: {exc}",
+            "expected the fill probes to run on the connector's own methods; "
+            f"they raised {type(exc).__name__}: {exc}",
         )
-    if result is None:
+    if state is None:
         return Verdict(
             Decision.REFUSED,
             "expected _fill_blocks to crash on, or fill, a list state cache; "
             "it wrote nothing",
         )
-    if result is _ProbeResult.CRASHES:
+    if not defects:
         return Verdict(
-            Decision.APPLIED,
-            "_fill_blocks crashes on list/tuple (Mamba) caches",
+            Decision.INERT,
+            "upstream fills only the requested rows, once per step, in place",
         )
-    if result is _ProbeResult.WHOLE_TENSOR:
-        return Verdict(
-            Decision.APPLIED,
-            "_fill_blocks fills list/tuple state tensors whole",
-        )
-    return Verdict(Decision.INERT, "_fill_blocks fills only the requested state rows")
+    return Verdict(Decision.APPLIED, "; ".join(defects))
 
 
-def _probe_state_fill(worker_cls: type, fill_blocks) -> _ProbeResult | None:
-    """Run the original `_fill_blocks` on a tiny list state cache, block 1 only."""
+DEFECTS = {
+    "crashes": "_fill_blocks crashes on list/tuple (Mamba) caches",
+    "whole_states": "_fill_blocks fills list/tuple state tensors whole",
+    "kernel_row": "a kernel-split attention cache gets kernel row b, not block b",
+    "temporaries": "each request's fill builds a temporary the size of its region",
+}
+"""What a probe can find wrong, as the status reason says it."""
+
+
+def bare_worker(
+    worker_cls: type,
+    kv_caches: dict,
+    group_to_layers: dict[int, list[str]],
+    num_blocks: int,
+    fill_mean: float,
+    fill_std: float = 0.0,
+):
+    """A worker with only what upstream's fill methods read, in every known
+    release and in patches/0002; no vLLM config needed."""
+    worker = object.__new__(worker_cls)
+    worker.kv_caches = kv_caches
+    worker.group_to_layers = group_to_layers
+    worker.fill_mean = fill_mean
+    worker.fill_std = fill_std
+    worker._zero_fill_group_ids = set()  # 0.30+
+    worker._fp8_dtypes = {}  # 0.31+
+    worker.num_blocks, worker._group_block_sizes = num_blocks, {}  # patches/0002
+    # patches/0001 (and vLLM <= 0.29): the configs, as far as the fill reads them.
+    worker.kv_cache_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[])
+    cache_config = SimpleNamespace(cache_dtype="auto", num_gpu_blocks=num_blocks)
+    worker.vllm_config = SimpleNamespace(cache_config=cache_config)
+    return worker
+
+
+def _probe_state_fill(worker_cls: type) -> _StateProbe | None:
+    """The original `_fill_blocks` on a tiny list state cache, block 1 only."""
     import torch  # loaded with vLLM by now; importing this package must not
 
     state = torch.zeros(4, 2)
-    worker = object.__new__(worker_cls)
-    worker.kv_caches = {"probe": [state]}
-    worker.group_to_layers = {0: ["probe"]}
-    worker.fill_mean = 1.0
-    worker.fill_std = 0.0
+    worker = bare_worker(worker_cls, {"probe": [state]}, {0: ["probe"]}, 4, 1.0)
     try:
-        fill_blocks(worker, 0, [1], 1)
+        upstream_function(worker_cls, "_fill_blocks")(worker, 0, [1], 1)
     except AttributeError as exc:
         if "'list' object has no attribute" in str(exc):
-            return _ProbeResult.CRASHES
+            return _StateProbe.CRASHES
         raise
     touched = set(state.ne(0).any(dim=1).nonzero().flatten().tolist())
     if not touched:
         return None
-    return _ProbeResult.ROWS_ONLY if touched == {1} else _ProbeResult.WHOLE_TENSOR
+    return _StateProbe.ROWS_ONLY if touched == {1} else _StateProbe.WHOLE_TENSOR
+
+
+def _probe_kernel_split(worker_cls: type) -> bool:
+    """Whether block 1 of a cache split into 2 kernel rows per block misses
+    rows 2 and 3 (the model runner's layout when the backend cannot run the
+    manager's block size)."""
+    import torch
+
+    cache = torch.zeros(8, 2)  # 4 blocks x 2 kernel rows
+    worker = bare_worker(worker_cls, {"probe": cache}, {0: ["probe"]}, 4, 1.0)
+    upstream_function(worker_cls, "_fill_blocks")(worker, 0, [1], 1)
+    return set(cache.ne(0).any(dim=1).nonzero().flatten().tolist()) != {2, 3}
+
+
+def _probe_step_temporaries(module: ModuleType, worker_cls: type) -> bool:
+    """Whether a step of two one-block requests allocates a block-sized
+    tensor per request (a region-sized temporary, then a scatter)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    row = (16, 4)
+    cache = torch.zeros(8, *row)
+    worker = bare_worker(worker_cls, {"probe": cache}, {0: ["probe"]}, 8, 1.0)
+    metadata = module.DecodeBenchConnectorMetadata(
+        reqs_to_fill={"a": (([1],), 16), "b": (([3],), 16)}
+    )
+    block_sized = []
+
+    class CountBlockSizedResults(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and result.numel() >= cache[0].numel():
+                if result.untyped_storage().data_ptr() != cache.data_ptr():
+                    block_sized.append(func)
+            return result
+
+    start_fill_kv = upstream_function(worker_cls, "start_fill_kv")
+    fill_blocks = upstream_function(worker_cls, "_fill_blocks")
+    # The step's calls to self._fill_blocks reach upstream's, not an overlay.
+    worker._fill_blocks = fill_blocks.__get__(worker)
+    with CountBlockSizedResults():
+        start_fill_kv(worker, metadata)
+    return len(block_sized) >= 2
+
+
+def upstream_function(worker_cls: type, name: str):
+    """Upstream's function under any wrapper (the probe runs before ours is
+    installed, but another package's may be there)."""
+    import wrapt
+
+    return wrapt.unwrapped(worker_cls.__dict__[name])

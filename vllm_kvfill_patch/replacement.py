@@ -17,15 +17,17 @@ Why
     filling each state tensor whole, but state tensors are block-indexed views
     over memory pools shared with other layers: the whole-tensor fill
     overwrites every other request's state and attention pages and writes a
-    whole pool per Mamba layer per request. In the same releases every layer
-    is mapped to group 0, so Mamba layers are filled at the attention group's
-    block ids, and FlashAttention's ``(2, num_blocks, ...)`` cache (<= 0.22)
-    is indexed on dim 0. Kernel-split attention caches (the model runner's
-    ``num_blocks * r`` kernel blocks, common on hybrid models) get no fill
-    from the overlay's first version, and kernel row ``b`` from upstream.
-    The attention path also builds a temporary the size of the filled region
-    and scatters it, per request x group x layer: at hundreds of requests per
-    scheduler step the fill is most of the step (#56473, #57847).
+    whole pool per Mamba layer per request (still so in 0.33, for the
+    platforms that register list states). Up to 0.29 every layer is mapped to
+    group 0, so Mamba layers are filled at the attention group's block ids,
+    and FlashAttention's ``(2, num_blocks, ...)`` cache (<= 0.22) is indexed
+    on dim 0. In every release, kernel-split attention caches (the model
+    runner's ``num_blocks * r`` kernel blocks, common on hybrid models) get
+    kernel row ``b``, a piece of another block. And every release fills
+    request x group x layer, each time with a temporary the size of the
+    filled region and a scatter (0.30+: also a boolean-mask device sync): at
+    hundreds of requests per scheduler step the fill is most of the step
+    (#56473, #57847).
 
 How
     Each layer of the group being filled gets exactly the rows of that
@@ -38,20 +40,29 @@ How
     group's block size from its spec, to cross-check a kernel split. A step
     (``start_fill_kv``) fills the union of its requests' block ids once per
     group: the block set and its row index are built once and shared by
-    every layer and state tensor of the group.
+    every layer and state tensor of the group. What to write is upstream's
+    decision where the release takes it per layer (0.30+, ``fill_value``):
+    zeros for circular-buffer groups, the layer's fp8 encoding, clamped to
+    the dtype's finite range; ``startup_fill`` and the scheduler side stay
+    upstream's own code.
 
 Upstream
     #25986 (the connector), #45080 (the whole-tensor state fill, 0.24.0),
-    #54647 (per-group map, 0.30.0), #57751 (fill only allocated Mamba blocks).
-    The same change as a ``git format-patch`` file: ``patches/``.
+    #54647 (per-group map, 0.30.0), #54879 (zero-filled circular buffers),
+    #56473 (the fill's cost), #57751 (fill only allocated Mamba blocks).
+    The same change as a ``git format-patch`` file: ``patches/`` (0002 is
+    the upstream PR for the newest release).
 
 Versions
     Where ``releases.SUPPORT_POLICY`` says "applied" (the README's table,
-    generated from it); the connector's structure decides at run time.
+    generated from it): 0.11.1 - 0.33.x today. At run time the connector's
+    structure and probes of upstream's own methods decide (``gating``), and
+    the status reason names the defects found.
 
 Remove when
-    The oldest vLLM you run is 0.30.0 or newer, or carries the block-indexed
-    state fill (upstream main after 0.33.0).
+    Your vLLM's connector fills kernel-split caches and list states by
+    block, once per step, in place (patches/0002 merged): the probes then
+    find nothing and the patch stays out by itself (``inert``).
 """
 
 from __future__ import annotations
@@ -125,7 +136,10 @@ def _fill_group(worker: Any, group_idx: int, block_ids: list[int]) -> None:
     """Fill `block_ids` in every layer of group `group_idx`, in place."""
     if not block_ids or not worker.kv_caches or not worker.group_to_layers:
         return
-    layout = getattr(worker, LAYOUT_ATTR, None) or layout_from(worker, None)
+    layout = getattr(worker, LAYOUT_ATTR, None)
+    if layout is None:  # filled without register_kv_caches on the connector
+        vllm_config = getattr(worker, "vllm_config", None)  # kept up to 0.29
+        layout = layout_from(getattr(vllm_config, "cache_config", None), None)
     if layout.num_blocks is None:
         logger.warning_once(
             "vllm-kvfill-patch: the KV-cache block count is unknown (no "
@@ -135,10 +149,10 @@ def _fill_group(worker: Any, group_idx: int, block_ids: list[int]) -> None:
     blocks = BlockSet(block_ids, layout.num_blocks)
     if not blocks.runs:
         return
-    value = FillValue(worker.fill_mean, worker.fill_std, layout.encoding)
     block_size = layout.block_sizes.get(group_idx)
     for layer_name in worker.group_to_layers.get(group_idx, []):
         cache = worker.kv_caches.get(layer_name)
+        value = fill_value(worker, layout, group_idx, layer_name)
         if isinstance(cache, torch.Tensor):
             report = fill_cache_blocks_(cache, blocks, value, block_size)
             _log_report(layer_name, report, cache, layout.num_blocks)
@@ -157,6 +171,22 @@ def _fill_group(worker: Any, group_idx: int, block_ids: list[int]) -> None:
             )
 
 
+def fill_value(
+    worker: Any, layout: CacheLayout, group_idx: int, layer_name: str
+) -> FillValue:
+    """What upstream would write into this layer, for the releases that decide
+    it themselves (0.30+): zeros for circular-buffer groups (#54879), whose
+    pages may pack non-floating metadata; the per-layer fp8 encoding (0.31+),
+    which leaves packed uint8 layouts with inline scales unencoded (zeros).
+    Older releases: the fill parameters, and the fp8 encoding that
+    ``--kv-cache-dtype`` names."""
+    if group_idx in getattr(worker, "_zero_fill_group_ids", ()):
+        return FillValue(0.0)
+    fp8_dtypes = getattr(worker, "_fp8_dtypes", None)
+    encoding = layout.encoding if fp8_dtypes is None else fp8_dtypes.get(layer_name)
+    return FillValue(worker.fill_mean, worker.fill_std, encoding)
+
+
 def register_kv_caches(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
     """Wrapper of ``DecodeBenchConnector.register_kv_caches``."""
     result = wrapped(*args, **kwargs)
@@ -164,17 +194,28 @@ def register_kv_caches(wrapped: Any, connector: Any, args: tuple, kwargs: dict) 
     if worker is None:
         return result
     kv_cache_config = getattr(connector, "_kv_cache_config", None)
-    setattr(worker, LAYOUT_ATTR, layout_from(worker, kv_cache_config))
+    cache_config = connector._vllm_config.cache_config
+    setattr(worker, LAYOUT_ATTR, layout_from(cache_config, kv_cache_config))
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1 and set(worker.group_to_layers or {}) <= {0}:
         worker.group_to_layers = {
             group_idx: [name for name in group.layer_names if name in worker.kv_caches]
             for group_idx, group in enumerate(groups)
         }
+    # Said here as well as when the patch is applied: vLLM 0.32+ configures
+    # its logging only when the engine starts, so a plugin's earlier INFO
+    # line can be lost; by registration time it is configured.
+    logger.info(
+        "vllm-kvfill-patch applied to this worker: %d layers in %d KV-cache "
+        "groups, %s blocks, filled by block once per step",
+        len(worker.kv_caches or {}),
+        len(worker.group_to_layers or {}),
+        getattr(worker, LAYOUT_ATTR).num_blocks,
+    )
     return result
 
 
-def layout_from(worker: Any, kv_cache_config: Any) -> CacheLayout:
+def layout_from(cache_config: Any, kv_cache_config: Any) -> CacheLayout:
     """The layout from the KV-cache config, else from vLLM's cache config.
 
     ``kv_cache_config.num_blocks`` is the count the worker allocated these very
@@ -182,19 +223,17 @@ def layout_from(worker: Any, kv_cache_config: Any) -> CacheLayout:
     copy, unset in a worker spawned before profiling and changed by
     ``num_gpu_blocks_override``.
     """
-    cache_config = worker.vllm_config.cache_config
     num_blocks = getattr(kv_cache_config, "num_blocks", None)
     if num_blocks is None:
-        num_blocks = cache_config.num_gpu_blocks
+        num_blocks = getattr(cache_config, "num_gpu_blocks", None)
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     block_sizes = {
         group_idx: group.kv_cache_spec.block_size
         for group_idx, group in enumerate(groups)
         if isinstance(getattr(group.kv_cache_spec, "block_size", None), int)
     }
-    return CacheLayout(
-        num_blocks, fp8_encoding(str(cache_config.cache_dtype)), block_sizes
-    )
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
+    return CacheLayout(num_blocks, fp8_encoding(cache_dtype), block_sizes)
 
 
 def fp8_encoding(cache_dtype: str) -> torch.dtype | None:

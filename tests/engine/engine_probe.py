@@ -57,20 +57,34 @@ def install_spy(fills: list) -> None:
         assert tensor.shape[0] % num_blocks == 0, tensor.shape
         return tensor.reshape(num_blocks, -1)
 
+    def expected(tensor) -> float:
+        """The fill value; from 0.27 a Mamba layer is raw int8 pages, which
+        upstream (and so the overlay) fills with zeros."""
+        return 0.015 if tensor.is_floating_point() else 0.0
+
     def spy(wrapped, worker, args, kwargs):
         requests = args[0].reqs_to_fill
-        before = {
-            name: [t.clone() for t in tensors(cache)]
-            for name, cache in worker.kv_caches.items()
-        }
-        result = wrapped(*args, **kwargs)
         if not requests:
-            return result
+            return wrapped(*args, **kwargs)
         num_blocks = worker._kvfill_layout.num_blocks
         block_ids_by_group: dict = {}
         for block_ids_per_group, _ in requests.values():
             for group_idx, block_ids in enumerate(block_ids_per_group):
                 block_ids_by_group.setdefault(group_idx, set()).update(block_ids)
+        # A sentinel in the rows about to be filled: a fill that writes what
+        # was there already (zeros into fresh int8 Mamba pages) still shows.
+        for group_idx, block_ids in block_ids_by_group.items():
+            for name in worker.group_to_layers[group_idx]:
+                for t in tensors(worker.kv_caches[name]):
+                    ratio = t.shape[0] // num_blocks
+                    for b in block_ids:
+                        if 0 < b < num_blocks:
+                            t[b * ratio : (b + 1) * ratio] = 7
+        before = {
+            name: [t.clone() for t in tensors(cache)]
+            for name, cache in worker.kv_caches.items()
+        }
+        result = wrapped(*args, **kwargs)
         changed, split = {}, {}
         for name, cache in worker.kv_caches.items():
             rows = set()
@@ -80,7 +94,7 @@ def install_spy(fills: list) -> None:
             changed[name] = sorted(rows)
             split[name] = [t.shape[0] // num_blocks for t in tensors(cache)]
         filled_values_ok = all(
-            bool((by_block(t, num_blocks)[b].float() - 0.015).abs().max() < 1e-3)
+            bool((by_block(t, num_blocks)[b].float() - expected(t)).abs().max() < 1e-3)
             for group_idx, block_ids in block_ids_by_group.items()
             for name in worker.group_to_layers[group_idx]
             for t in tensors(worker.kv_caches[name])
@@ -118,8 +132,9 @@ def split_attention_kernel_blocks(kernel_block_size: int) -> None:
     blocks, building the views and block tables itself."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+    # 0.32 passes the layer's spec; 0.23 nothing.
     CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
-        lambda: [kernel_block_size]
+        lambda *_spec: [kernel_block_size]
     )
 
 

@@ -13,36 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.helpers import check_every_step_filled_exactly_its_blocks, run_probe
 from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
 
-PROBE = Path(__file__).with_name("engine_probe.py")
-ROOT = PROBE.parent.parent.parent
 LIST_CRASH = "'list' object has no attribute 'device'"
 RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"
-ENGINE_SESSION = "python3 -m nox -s engine"
-
-
-def run_probe(options: dict, env: dict | None = None, timeout: float = 400) -> dict:
-    # The checkout on the path of the probe and of every process it starts:
-    # the workers import tests.children.
-    env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [env.get("PYTHONPATH"), str(ROOT)])
-    )
-    result = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps(options)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    lines = result.stdout.strip().splitlines()
-    assert result.returncode == 0 and lines, (
-        f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    )
-    report = json.loads(lines[-1])
-    report["log"] = result.stdout + result.stderr
-    return report
+ENGINE_SESSION = 'python3 -m nox -s "engine(0.23.0)"'
 
 
 def test_without_the_overlay_the_engine_fails_with_the_list_error():
@@ -50,27 +26,6 @@ def test_without_the_overlay_the_engine_fails_with_the_list_error():
     assert report["workers"][0]["decision"] == "disabled"
     assert "generated" not in report
     assert LIST_CRASH in report["error_chain"]
-
-
-def check_every_step_filled_exactly_its_blocks(fills: list, requests: int) -> None:
-    """Each step: every layer of a group got all of that group's requested
-    blocks, and nothing changed outside the step's requested blocks (the
-    pools are shared: a page written through one group's layer shows in the
-    other group's view at the same row)."""
-    assert sum(fill["requests"] for fill in fills) == requests
-    for fill in fills:
-        requested = {b for ids in fill["block_ids_by_group"].values() for b in ids}
-        requested.discard(0)
-        changed = set()
-        for rows in fill["changed_rows"].values():
-            assert set(rows) <= requested
-            changed |= set(rows)
-        assert changed == requested
-        for group, layers in fill["layers_by_group"].items():
-            wanted = set(fill["block_ids_by_group"][group]) - {0}
-            for layer in layers:
-                assert wanted <= set(fill["changed_rows"][layer]), (group, layer)
-        assert fill["filled_values_ok"]
 
 
 def test_in_process_engine_fills_each_layers_own_group_rows_only():

@@ -1,0 +1,56 @@
+"""Running engine_probe.py and reading its report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = Path(__file__).with_name("engine_probe.py")
+ROOT = PROBE.parent.parent.parent
+
+
+def run_probe(options: dict, env: dict | None = None, timeout: float = 400) -> dict:
+    # The checkout on the path of the probe and of every process it starts:
+    # the workers import tests.children.
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [env.get("PYTHONPATH"), str(ROOT)])
+    )
+    result = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and lines, (
+        f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
+    report = json.loads(lines[-1])
+    report["log"] = result.stdout + result.stderr
+    return report
+
+
+def check_every_step_filled_exactly_its_blocks(fills: list, requests: int) -> None:
+    """Each step: every layer of a group got all of that group's requested
+    blocks, and nothing changed outside the step's requested blocks (the
+    pools are shared: a page written through one group's layer shows in the
+    other group's view at the same row)."""
+    assert sum(fill["requests"] for fill in fills) == requests
+    for fill in fills:
+        requested = {b for ids in fill["block_ids_by_group"].values() for b in ids}
+        requested.discard(0)
+        changed = set()
+        for rows in fill["changed_rows"].values():
+            assert set(rows) <= requested
+            changed |= set(rows)
+        assert changed == requested
+        for group, layers in fill["layers_by_group"].items():
+            wanted = set(fill["block_ids_by_group"][group]) - {0}
+            for layer in layers:
+                assert wanted <= set(fill["changed_rows"][layer]), (group, layer)
+        assert fill["filled_values_ok"]
