@@ -18,6 +18,7 @@ CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_co
 PATCHED_METHODS = {
     "_fill_blocks": "DecodeBenchConnectorWorker",
     "register_kv_caches": "DecodeBenchConnector",
+    "get_num_new_matched_tokens": "DecodeBenchConnectorScheduler",
 }
 
 
@@ -46,6 +47,7 @@ def connector_report(module=None) -> dict:
             "decision": current.decision.value,
             "reason": current.reason,
             "version": current.vllm_version,
+            "parts": list(current.parts),
         }
     return report
 

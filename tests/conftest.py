@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import vllm_kvfill_patch
 from tests.children import load_connector_file
 from tests.helpers import BUILD_COMMAND, CONNECTOR_PATH, git_apply, patches_by_release
+from vllm_kvfill_patch import Decision
 
 PATCHED_CONNECTOR_FILE = os.environ.get("KVFILL_CONNECTOR_FILE")
 """An upstream connector file with a patch from patches/ applied: when set,
@@ -93,3 +95,19 @@ def patched_connector(tmp_path_factory, release_tree, patch_file) -> Path:
     result = git_apply(tree, patch_file)
     assert result.returncode == 0, result.stderr
     return tree / CONNECTOR_PATH
+
+
+@pytest.fixture
+def implementation(vllm_version):
+    """For the modules whose ``behaviour`` tests also run against patches/:
+    the overlay, applied (and left applied), or the patched upstream file."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    if PATCHED_CONNECTOR_FILE:
+        assert decode_bench_connector.__file__ == PATCHED_CONNECTOR_FILE
+        assert vllm_kvfill_patch.status().decision is Decision.DISABLED
+        yield "patch file"
+        return
+    assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
+    yield "overlay"
+    vllm_kvfill_patch.apply()

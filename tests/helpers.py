@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -131,7 +132,7 @@ def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedPro
 
 def applied_reason(vllm_version: str) -> str:
     """Why the patch applies to this release, as upstream's code behaves there:
-    every release with the connector (0.11.1 - 0.33) has the last two."""
+    every release with the connector (0.11.1 - 0.33) has the last three."""
     from vllm_kvfill_patch.releases import parse_release
 
     if parse_release(vllm_version) < (0, 24, 0):
@@ -140,7 +141,8 @@ def applied_reason(vllm_version: str) -> str:
         states = "_fill_blocks fills list/tuple state tensors whole"
     return (
         f"{states}; a kernel-split attention cache gets kernel row b, not "
-        "block b; each request's fill builds a temporary the size of its region"
+        "block b; each request's fill builds a temporary the size of its region; "
+        "a preempted request is not filled again (vLLM prefills it)"
     )
 
 
@@ -151,3 +153,16 @@ def decision_lines(report: dict, decision: str) -> int:
     stderr, through Python's last-resort handler, which passes warnings only."""
     output = report["stdout"] + report["stderr"]
     return output.count(f"vllm-kvfill-patch {decision}")
+
+
+@contextlib.contextmanager
+def overlay_reverted():
+    """Upstream's own methods inside the block; the overlay applied again after."""
+    import vllm_kvfill_patch
+    from vllm_kvfill_patch import Decision
+
+    vllm_kvfill_patch.revert()
+    try:
+        yield
+    finally:
+        assert vllm_kvfill_patch.apply().decision is Decision.APPLIED

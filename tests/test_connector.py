@@ -16,7 +16,6 @@ import torch
 
 import vllm_kvfill_patch
 from tests.children import wrapper_count
-from tests.conftest import PATCHED_CONNECTOR_FILE
 from tests.hybrid import (
     ATTENTION_DTYPE,
     ATTENTION_GROUP,
@@ -38,21 +37,7 @@ NUM_BLOCKS = 12
 
 
 behaviour = pytest.mark.behaviour
-
-
-@pytest.fixture(autouse=True)
-def implementation(vllm_version):
-    """The overlay, applied (and left applied), or the patched upstream file."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
-
-    if PATCHED_CONNECTOR_FILE:
-        assert decode_bench_connector.__file__ == PATCHED_CONNECTOR_FILE
-        assert vllm_kvfill_patch.status().decision is Decision.DISABLED
-        yield "patch file"
-        return
-    assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
-    yield "overlay"
-    vllm_kvfill_patch.apply()
+pytestmark = pytest.mark.usefixtures("implementation")
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ def test_patch_applies_to_the_release_file(release_tree, patch_file):
     assert result.returncode == 0, result.stderr
 
 
-BEHAVIOUR_TESTS = "tests/test_connector.py"
+BEHAVIOUR_TESTS = ["tests/test_connector.py", "tests/test_refill.py"]
 
 
 def behaviour_selection(vllm_version: str) -> str:
@@ -50,7 +50,7 @@ def behaviour_selection(vllm_version: str) -> str:
 def behaviour_test_ids(selection: str) -> list[str]:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", selection]
-        + [BEHAVIOUR_TESTS],
+        + BEHAVIOUR_TESTS,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -61,9 +61,9 @@ def behaviour_test_ids(selection: str) -> list[str]:
 def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_version):
     selection = behaviour_selection(vllm_version)
     expected = behaviour_test_ids(selection)
-    assert len(expected) >= 9
+    assert len(expected) >= 14
     env = {**os.environ, "KVFILL_CONNECTOR_FILE": str(patched_connector)}
-    command = [sys.executable, "-m", "pytest", "-q", "-m", selection, BEHAVIOUR_TESTS]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", selection, *BEHAVIOUR_TESTS]
     result = subprocess.run(
         [*command, "-p", "no:cacheprovider"],
         cwd=ROOT,
@@ -78,13 +78,16 @@ def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_ve
 
 def test_overlay_stays_out_of_a_patched_connector(patched_connector, vllm_version):
     report = run_fresh(children.patched_file_report, str(patched_connector))
-    assert report["_fill_blocks"] == 0 and report["register_kv_caches"] == 0
+    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert report["get_num_new_matched_tokens"] == 0
     # The probes find nothing to fix in the patched file; the release is
     # expected to need the patch, so the reason says why it stays out.
     assert report["status"] == {
         "decision": "inert",
         "version": vllm_version,
         "reason": "upstream fills only the requested rows, once per step, in "
-        f"place, although vLLM {vllm_version} is expected to need the patch (a "
-        "patched or fixed connector)",
+        "place, and fills a preempted request again, although vLLM "
+        f"{vllm_version} is expected to need the patch (a patched or fixed "
+        "connector)",
+        "parts": [],
     }

@@ -35,7 +35,9 @@ def test_import_order_matrix(order, vllm_version):
         "decision": "applied",
         "reason": applied_reason(vllm_version),
         "version": vllm_version,
+        "parts": ["fill", "refill"],
     }
+    assert report["get_num_new_matched_tokens"] == 1
     # One decision line per process; revert and re-apply each log their change.
     # An INFO line before vLLM configures its logging goes nowhere, as vLLM's
     # own; each worker says it again at registration (test_engine.py).
@@ -55,7 +57,8 @@ def test_revert_leaves_upstream_methods_in_a_fresh_interpreter():
     report = run_fresh(
         children.run_steps, ["import connector", "import package", "revert"]
     )
-    assert report["_fill_blocks"] == 0 and report["register_kv_caches"] == 0
+    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert report["get_num_new_matched_tokens"] == 0
     assert report["status"]["decision"] == "reverted"
     assert report["status"]["reason"] == "reverted by revert()"
 
@@ -65,6 +68,7 @@ def test_spawned_child_is_patched_through_the_entry_point():
     assert report["imported_before_plugins"] is False
     assert report["parent_imported"] is False
     assert report["_fill_blocks"] == 1 and report["register_kv_caches"] == 1
+    assert report["get_num_new_matched_tokens"] == 1
     assert report["status"]["decision"] == "applied"
     assert report["exitcode"] == 0
 
@@ -75,13 +79,27 @@ KILL_SWITCH_CASES = {
 }
 
 
+def test_refill_switched_off_leaves_the_scheduler_side_to_upstream(vllm_version):
+    report = run_fresh(
+        children.run_steps,
+        ["import package", "load plugins", "import connector"],
+        env={"KVFILL_PATCH_REFILL": "0"},
+    )
+    assert report["_fill_blocks"] == 1 and report["get_num_new_matched_tokens"] == 0
+    assert report["status"]["parts"] == ["fill"]
+    assert report["status"]["reason"] == (
+        applied_reason(vllm_version) + " (refill left out: KVFILL_PATCH_REFILL=0)"
+    )
+
+
 @pytest.mark.parametrize("case", KILL_SWITCH_CASES)
 def test_kill_switch_leaves_vllm_untouched(case):
     steps, env = KILL_SWITCH_CASES[case]
     report = run_fresh(
         children.run_steps, [*steps, "load plugins", "import connector"], env=env
     )
-    assert report["_fill_blocks"] == 0 and report["register_kv_caches"] == 0
+    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert report["get_num_new_matched_tokens"] == 0
     assert report["status"]["decision"] == "disabled"
     assert report["status"]["reason"] == "KVFILL_PATCH_DISABLE is set"
     expected_lines = 1 if report["vllm_logging_configured"] else 0
@@ -107,7 +125,8 @@ UNKNOWN_TARGET_REASONS = {
 @pytest.mark.parametrize("target", UNKNOWN_TARGET_REASONS)
 def test_unknown_target_is_refused_logged_and_vllm_still_imports(target):
     report = run_fresh(children.unknown_target_report, target)
-    assert report["_fill_blocks"] == 0 and report["register_kv_caches"] == 0
+    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert report["get_num_new_matched_tokens"] == 0
     assert report["status"]["decision"] == "refused"
     assert report["status"]["reason"] == UNKNOWN_TARGET_REASONS[target]
     assert decision_lines(report, "refused") == 1
@@ -115,7 +134,8 @@ def test_unknown_target_is_refused_logged_and_vllm_still_imports(target):
 
 def test_a_failing_hook_is_contained_and_the_import_succeeds():
     report = run_fresh(children.failing_hook_report)
-    assert report["_fill_blocks"] == 0 and report["register_kv_caches"] == 0
+    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert report["get_num_new_matched_tokens"] == 0
     assert report["status"]["decision"] == "refused"
     assert report["status"]["reason"] == "installing failed: RuntimeError: boom"
 

@@ -8,7 +8,8 @@ module's structure whether the patch is needed (``gating``) and installs it
 ``vllm.general_plugins`` entry point calls :func:`load_vllm_plugin` in every
 vLLM process, so spawned engine-core and worker processes are patched too.
 
-Set ``KVFILL_PATCH_DISABLE=1`` to leave vLLM untouched.
+Set ``KVFILL_PATCH_DISABLE=1`` to leave vLLM untouched, ``KVFILL_PATCH_REFILL=0``
+to leave out the refill of preempted requests (``refill``) alone.
 
 Promises, whatever other patches sit on the same methods: :func:`apply`,
 :func:`revert`, :func:`status`, the plugin entry and the import hook never
@@ -31,12 +32,14 @@ from typing import Any
 
 import wrapt
 
-from vllm_kvfill_patch.gating import CONNECTOR_MODULE, Decision, judge
+from vllm_kvfill_patch.gating import CONNECTOR_MODULE, FILL, REFILL, Decision, judge
 
 __all__ = ["Decision", "PatchStatus", "apply", "load_vllm_plugin", "revert", "status"]
 
 KILL_SWITCH = "KVFILL_PATCH_DISABLE"
 _DISABLED_REASON = f"{KILL_SWITCH} is set"
+REFILL_SWITCH = "KVFILL_PATCH_REFILL"
+"""``0`` leaves the refill of preempted requests out (upstream's behaviour)."""
 
 # Under vLLM's logger namespace, so vLLM's handlers and levels apply.
 logger = logging.getLogger("vllm.kvfill_patch")
@@ -49,6 +52,9 @@ class PatchStatus:
     vllm_version: str | None
     decision: Decision
     reason: str
+    parts: tuple[str, ...] = ()
+    """The parts of the patch active in this process: "fill" (worker side,
+    ``replacement``), "refill" (scheduler side, ``refill``)."""
 
 
 @dataclass
@@ -64,6 +70,7 @@ class _Installer:
     remove exactly them. A handle stays here while ours cannot be removed."""
     applied_reason: str = ""
     """Why the gating applied the patch, for when a kept wrapper is re-armed."""
+    applied_parts: tuple[str, ...] = ()
     status: PatchStatus = PatchStatus(
         None, Decision.PENDING, "the connector module is not imported yet"
     )
@@ -89,7 +96,11 @@ def apply() -> PatchStatus:
                 _installer.wanted = True
                 _forget_replaced_wrappers(sys.modules.get(CONNECTOR_MODULE))
                 if _installer.handles:  # still in place: active again
-                    _decide(Decision.APPLIED, _installer.applied_reason)
+                    _decide(
+                        Decision.APPLIED,
+                        _installer.applied_reason,
+                        _installer.applied_parts,
+                    )
                 else:
                     _register_hook()
         except Exception as exc:  # noqa: BLE001 - apply() never raises
@@ -159,10 +170,15 @@ def _on_connector_import(module: ModuleType) -> None:
             return
         try:
             verdict = judge(module, _vllm_version())
+            reason, parts = verdict.reason, verdict.parts
+            if REFILL in parts and _refill_switched_off():
+                parts = tuple(part for part in parts if part != REFILL)
+                reason += f" (refill left out: {REFILL_SWITCH}=0)"
             if verdict.decision is Decision.APPLIED:
-                _install(module)
-                _installer.applied_reason = verdict.reason
-            _decide(verdict.decision, verdict.reason)
+                _install(module, parts)
+                _installer.applied_reason = reason
+                _installer.applied_parts = parts
+            _decide(verdict.decision, reason, parts)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's import
             leftover = ""
             try:
@@ -175,14 +191,16 @@ def _on_connector_import(module: ModuleType) -> None:
             )
 
 
-def _install(module: ModuleType) -> None:
-    # Imported here: it imports vLLM's logger, and vLLM is loaded by now.
-    from vllm_kvfill_patch.replacement import WRAPPERS
+def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
+    # Imported here: they import vLLM's logger, and vLLM is loaded by now.
+    from vllm_kvfill_patch import refill, replacement
 
-    for path, wrapper in WRAPPERS.items():
-        _installer.handles[path] = wrapt.wrap_function_wrapper(
-            module, path, _while_wanted(wrapper)
-        )
+    wrappers = {FILL: replacement.WRAPPERS, REFILL: refill.WRAPPERS}
+    for part in parts:
+        for path, wrapper in wrappers[part].items():
+            _installer.handles[path] = wrapt.wrap_function_wrapper(
+                module, path, _while_wanted(wrapper)
+            )
 
 
 def _while_wanted(wrapper):
@@ -246,19 +264,20 @@ def _in_place(module: ModuleType | None, path: str, handle: Any) -> bool:
     )
 
 
-def _decide(decision: Decision, reason: str) -> None:
+def _decide(decision: Decision, reason: str, parts: tuple[str, ...] = ()) -> None:
     """Record a decision; log it when it is news in this process."""
-    new_status = PatchStatus(_vllm_version(), decision, reason)
+    new_status = PatchStatus(_vllm_version(), decision, reason, parts)
     if _installer.logged and new_status == _installer.status:
         return
     _installer.status, _installer.logged = new_status, True
     level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
     logger.log(
         level,
-        "vllm-kvfill-patch %s for vLLM %s: %s",
+        "vllm-kvfill-patch %s for vLLM %s: %s%s",
         new_status.decision.value,
         new_status.vllm_version,
         new_status.reason,
+        f" [parts: {', '.join(parts)}]" if parts else "",
     )
 
 
@@ -274,6 +293,10 @@ def _connector_exists() -> bool:
 def _kill_switch_on() -> bool:
     value = os.environ.get(KILL_SWITCH, "").strip().lower()
     return value not in ("", "0", "false", "no")
+
+
+def _refill_switched_off() -> bool:
+    return os.environ.get(REFILL_SWITCH, "").strip().lower() in ("0", "false", "no")
 
 
 def _vllm_version() -> str | None:

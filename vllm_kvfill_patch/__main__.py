@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     patch = patch_for(current.vllm_version)
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
+    print(f"parts:        {', '.join(current.parts) or 'none'}")
     print(f"reason:       {current.reason}")
     if patch is not None:
         print(f"patch file:   {patch.name} (for this release; print it with --patch)")

@@ -18,6 +18,12 @@ from vllm_kvfill_patch.releases import APPLIED, policy_for
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
 FILL_SIGNATURE = ("self", "group_idx", "block_ids", "num_tokens")
 STEP_SIGNATURE = ("self", "metadata")
+MATCHED_SIGNATURE = ("self", "request", "num_computed_tokens")
+
+FILL = "fill"
+"""The worker-side part: fill by block, once per step (``replacement``)."""
+REFILL = "refill"
+"""The scheduler-side part: fill a preempted request again (``refill``)."""
 
 
 class Decision(str, enum.Enum):
@@ -35,6 +41,8 @@ class Decision(str, enum.Enum):
 class Verdict:
     decision: Decision
     reason: str
+    parts: tuple[str, ...] = ()
+    """The parts of the patch this connector needs (FILL, REFILL)."""
 
 
 def judge(module: ModuleType, vllm_version: str) -> Verdict:
@@ -87,6 +95,15 @@ def _judge_structure(module: ModuleType) -> Verdict:
             Decision.REFUSED,
             f"expected start_fill_kv{STEP_SIGNATURE}, found start_fill_kv{step_params}",
         )
+    scheduler_cls = getattr(module, "DecodeBenchConnectorScheduler", None)
+    matched = getattr(scheduler_cls, "get_num_new_matched_tokens", None)
+    matched_params = tuple(inspect.signature(matched).parameters) if matched else ()
+    if matched_params != MATCHED_SIGNATURE:
+        return Verdict(
+            Decision.REFUSED,
+            "expected DecodeBenchConnectorScheduler.get_num_new_matched_tokens"
+            f"{MATCHED_SIGNATURE}, found {matched_params}",
+        )
     return _judge_by_probes(module, worker_cls)
 
 
@@ -110,6 +127,7 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
             )
             if found
         ]
+        refill = _probe_refill(module.DecodeBenchConnectorScheduler)
     except Exception as exc:  # noqa: BLE001 - any failure means "unknown"
         return Verdict(
             Decision.REFUSED,
@@ -122,12 +140,16 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
             "expected _fill_blocks to crash on, or fill, a list state cache; "
             "it wrote nothing",
         )
-    if not defects:
+    parts = ((FILL,) if defects else ()) + ((REFILL,) if refill else ())
+    if not parts:
         return Verdict(
             Decision.INERT,
-            "upstream fills only the requested rows, once per step, in place",
+            "upstream fills only the requested rows, once per step, in place, "
+            "and fills a preempted request again",
         )
-    return Verdict(Decision.APPLIED, "; ".join(defects))
+    if refill:
+        defects.append(DEFECTS["no_refill"])
+    return Verdict(Decision.APPLIED, "; ".join(defects), parts)
 
 
 DEFECTS = {
@@ -135,6 +157,7 @@ DEFECTS = {
     "whole_states": "_fill_blocks fills list/tuple state tensors whole",
     "kernel_row": "a kernel-split attention cache gets kernel row b, not block b",
     "temporaries": "each request's fill builds a temporary the size of its region",
+    "no_refill": "a preempted request is not filled again (vLLM prefills it)",
 }
 """What a probe can find wrong, as the status reason says it."""
 
@@ -225,9 +248,30 @@ def _probe_step_temporaries(module: ModuleType, worker_cls: type) -> bool:
     return len(block_sized) >= 2
 
 
-def upstream_function(worker_cls: type, name: str):
+def _probe_refill(scheduler_cls: type) -> bool:
+    """Whether a request the scheduler side filled before is told 0 matched
+    tokens when it comes back preempted (so vLLM would prefill it for real)."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = object.__new__(scheduler_cls)
+    scheduler._filled_requests, scheduler._pending_fills = {"probe"}, {}
+    request = SimpleNamespace(
+        request_id="probe",
+        num_tokens=8,
+        num_computed_tokens=0,
+        num_preemptions=1,
+        status=RequestStatus.PREEMPTED,
+    )
+    matched = upstream_function(scheduler_cls, "get_num_new_matched_tokens")
+    num_tokens, _ = matched(scheduler, request, 0)
+    if num_tokens not in (0, 7):
+        raise ValueError(f"expected 0 or 7 matched tokens, got {num_tokens}")
+    return num_tokens == 0
+
+
+def upstream_function(cls: type, name: str):
     """Upstream's function under any wrapper (the probe runs before ours is
     installed, but another package's may be there)."""
     import wrapt
 
-    return wrapt.unwrapped(worker_cls.__dict__[name])
+    return wrapt.unwrapped(cls.__dict__[name])

@@ -49,7 +49,7 @@ SUPPORT_POLICY = (
         "_fill_blocks crashes on list/tuple (Mamba) caches; every layer is mapped "
         "to group 0; FlashAttention's (2, num_blocks, ...) cache is indexed on "
         "dim 0; kernel-split caches get kernel row b; a temporary the size of "
-        "each request's region",
+        "each request's region; a preempted request is prefilled for real",
     ),
     ReleaseRange(
         (0, 24, 0),
@@ -57,7 +57,8 @@ SUPPORT_POLICY = (
         APPLIED,
         "#45080 fills each state tensor whole (clobbering other requests); every "
         "layer is mapped to group 0; kernel-split caches get kernel row b; a "
-        "temporary the size of each request's region",
+        "temporary the size of each request's region; a preempted request is "
+        "prefilled for real",
     ),
     ReleaseRange(
         (0, 30, 0),
@@ -65,7 +66,8 @@ SUPPORT_POLICY = (
         APPLIED,
         "kernel-split caches get kernel row b; a temporary the size of each "
         "request's region, and a device sync, per request x layer; list/tuple "
-        "states filled whole; fp8 (uint8) caches get the value cast to an integer",
+        "states filled whole; fp8 (uint8) caches get the value cast to an "
+        "integer; a preempted request is prefilled for real",
     ),
     ReleaseRange(
         (0, 31, 0),
@@ -73,8 +75,9 @@ SUPPORT_POLICY = (
         APPLIED,
         "kernel-split caches get kernel row b; a temporary the size of each "
         "request's region, and a device sync, per request x layer; list/tuple "
-        "states filled whole. Kept from upstream: per-layer fp8, zero-filled "
-        "circular buffers, startup_fill, the scheduler side",
+        "states filled whole; a preempted request is prefilled for real. Kept "
+        "from upstream: per-layer fp8, zero-filled circular buffers, "
+        "startup_fill, get_loaded_kv_cache_group_ids",
     ),
 )
 """What the patch does, by release range; the connector's structure decides,

@@ -1,0 +1,208 @@
+"""A preempted request is filled again, not prefilled for real.
+
+Scheduler side of the real DecodeBenchConnector of the installed release,
+with real ``Request`` objects, preempted the way ``Scheduler._preempt_request``
+does it. Tests marked ``behaviour`` also run against the patch files (see
+test_connector.py); the others compare with upstream's own behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import vllm_kvfill_patch
+from tests.helpers import overlay_reverted
+from tests.hybrid import BLOCK_SIZE, kv_cache_tensor
+
+behaviour = pytest.mark.behaviour
+pytestmark = pytest.mark.usefixtures("implementation")
+NUM_BLOCKS = 64
+PROMPT = 40
+GENERATED = 3
+
+
+@pytest.fixture
+def connector(vllm_config_for):
+    """A real scheduler-role DecodeBenchConnector over one attention group."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        KVConnectorRole,
+        decode_bench_connector,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    config = vllm_config_for(fill_mean=0.5)
+    config.cache_config.block_size = BLOCK_SIZE  # what the platform would set
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=config.model_config.dtype,
+    )
+    layer = "model.layers.1.self_attn.attn"
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            kv_cache_tensor(KVCacheTensor, NUM_BLOCKS, spec.page_size_bytes, layer)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec([layer], spec)],
+    )
+    return decode_bench_connector.DecodeBenchConnector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config
+    )
+
+
+def make_request(request_id: str, prompt_len: int = PROMPT):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    extra = {}
+    if "eos_token_id" in inspect.signature(Request.__init__).parameters:
+        extra["eos_token_id"] = None  # up to 0.22
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        **extra,
+    )
+    assert request.status == RequestStatus.WAITING
+    return request
+
+
+def schedule(connector, request, first_block: int, num_computed_tokens: int = 0):
+    """One scheduling of `request` as vLLM's scheduler does it: matched
+    tokens, allocation of fresh blocks from `first_block` on, then the
+    step's metadata. Returns (matched tokens, the step's reqs_to_fill)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
+
+    matched, _ = connector.get_num_new_matched_tokens(request, num_computed_tokens)
+    if matched:
+        count = -(-request.num_tokens // BLOCK_SIZE)
+        blocks = [
+            KVCacheBlock(block_id)
+            for block_id in range(first_block, first_block + count)
+        ]
+        connector.update_state_after_alloc(request, KVCacheBlocks((blocks,)), matched)
+    metadata = connector.build_connector_meta(None)
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = num_computed_tokens + matched
+    return matched, metadata.reqs_to_fill
+
+
+def generate_and_preempt(request, tokens: int = GENERATED) -> None:
+    """Decode `tokens`, then what ``Scheduler._preempt_request`` does."""
+    from vllm.v1.request import RequestStatus
+
+    request.append_output_token_ids(list(range(100, 100 + tokens)))
+    request.status = RequestStatus.PREEMPTED
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+
+
+@behaviour
+def test_a_resumed_request_is_filled_again_at_its_new_blocks(connector):
+    request = make_request("r")
+    matched, fills = schedule(connector, request, first_block=1)
+    assert matched == PROMPT - 1 and list(fills) == ["r"]
+    generate_and_preempt(request)
+    matched, fills = schedule(connector, request, first_block=20)
+    # As a new request of the same tokens at the same blocks is filled.
+    twin = make_request("twin", PROMPT + GENERATED)
+    twin_matched, twin_fills = schedule(connector, twin, first_block=20)
+    assert matched == twin_matched == PROMPT + GENERATED - 1
+    assert fills == {"r": twin_fills["twin"]}
+    assert 20 in fills["r"][0][0] and 1 not in fills["r"][0][0]
+
+
+@behaviour
+def test_a_resumed_request_after_a_prefix_cache_hit_fills_the_rest(connector):
+    request = make_request("r")
+    schedule(connector, request, first_block=1)
+    generate_and_preempt(request)
+    matched, fills = schedule(connector, request, 20, num_computed_tokens=BLOCK_SIZE)
+    assert matched == PROMPT + GENERATED - 1 - BLOCK_SIZE
+    assert list(fills) == ["r"]
+
+
+@behaviour
+def test_a_refill_happens_once_per_scheduling(connector):
+    request = make_request("r")
+    schedule(connector, request, first_block=1)
+    generate_and_preempt(request)
+    first, _ = connector.get_num_new_matched_tokens(request, 0)
+    # Asked again before the allocation: nothing filled yet, the same answer.
+    assert connector.get_num_new_matched_tokens(request, 0)[0] == first > 0
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    blocks = KVCacheBlocks(([KVCacheBlock(b) for b in range(20, 23)],))
+    connector.update_state_after_alloc(request, blocks, first)
+    # The refill is pending in this scheduling: not a second one.
+    assert connector.get_num_new_matched_tokens(request, 0)[0] == 0
+    assert list(connector.build_connector_meta(None).reqs_to_fill) == ["r"]
+
+
+@behaviour
+def test_a_running_request_is_still_filled_once(connector):
+    request = make_request("r")
+    schedule(connector, request, first_block=1)
+    request.append_output_token_ids([100])
+    assert connector.get_num_new_matched_tokens(request, request.num_tokens - 1)[0] == 0
+
+
+@behaviour
+def test_finish_and_abort_clean_up_after_a_refill(connector):
+    for finish in ("request_finished", "abort"):
+        request = make_request(finish)
+        schedule(connector, request, first_block=1)
+        generate_and_preempt(request)
+        schedule(connector, request, first_block=20)
+        # vLLM calls request_finished for finished and aborted requests alike.
+        connector.request_finished(request, [])
+        assert finish not in connector.connector_scheduler._filled_requests
+        assert finish not in connector.connector_scheduler._pending_fills
+
+
+def upstream_and_overlay(scenario) -> dict:
+    """`scenario(name)` with upstream's own methods, then with the overlay."""
+    with overlay_reverted():
+        upstream = scenario("upstream")
+    return {"upstream": upstream, "overlay": scenario("overlay")}
+
+
+def test_upstream_prefills_a_resumed_request_and_the_overlay_does_not(connector):
+    def resume(name):
+        request = make_request(name)
+        schedule(connector, request, first_block=1)
+        generate_and_preempt(request)
+        return schedule(connector, request, first_block=20)
+
+    results = upstream_and_overlay(resume)
+    # Upstream: nothing matched, so vLLM would prefill 43 tokens for real.
+    assert results["upstream"] == (0, {})
+    assert results["overlay"][0] == PROMPT + GENERATED - 1
+
+
+def test_a_never_filled_request_is_handled_as_upstream_handles_it(connector):
+    def resume_unfilled(name):
+        request = make_request(f"{name}-one-token", prompt_len=1)
+        first = schedule(connector, request, first_block=1)
+        generate_and_preempt(request)
+        return first, schedule(connector, request, first_block=20)[0]
+
+    results = upstream_and_overlay(resume_unfilled)
+    assert results["upstream"][0][0] == 0  # a one-token prompt: nothing to fill
+    assert results["overlay"] == results["upstream"]
+
+
+def test_status_names_the_active_parts():
+    assert vllm_kvfill_patch.status().parts == ("fill", "refill")
