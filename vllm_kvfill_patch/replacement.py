@@ -205,12 +205,15 @@ def register_kv_caches(wrapped: Any, connector: Any, args: tuple, kwargs: dict) 
     # Said here as well as when the patch is applied: vLLM 0.32+ configures
     # its logging only when the engine starts, so a plugin's earlier INFO
     # line can be lost; by registration time it is configured.
+    from vllm_kvfill_patch import status  # the package imports this module
+
     logger.info(
         "vllm-kvfill-patch applied to this worker: %d layers in %d KV-cache "
-        "groups, %s blocks, filled by block once per step",
+        "groups, %s blocks, filled by block once per step [parts: %s]",
         len(worker.kv_caches or {}),
         len(worker.group_to_layers or {}),
         getattr(worker, LAYOUT_ATTR).num_blocks,
+        ", ".join(status().parts),
     )
     return result
 

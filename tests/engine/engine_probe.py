@@ -7,7 +7,11 @@ Options: ``in_process`` (engine core and worker in this process),
 plugin entry point can apply it), ``spy`` (record, at every fill, which rows
 of which layer changed; needs ``in_process``), ``tensor_parallel``,
 ``kernel_block_size`` (attention split into kernel blocks of that many tokens;
-needs ``in_process``).
+needs ``in_process``), ``preemption`` (a KV cache too small for the requests:
+``num_gpu_blocks_override`` and the requests' prompt and output lengths),
+``schedule_log`` (a file: every scheduler step's scheduled tokens per request
+and the preemptions since the last step, one JSON line each, written before
+the model runs; needs ``in_process``), ``async_scheduling`` (vLLM's setting).
 The last stdout line is the report.
 """
 
@@ -123,6 +127,31 @@ def install_spy(fills: list) -> None:
     del torch
 
 
+def record_schedules(path: str) -> None:
+    """After every ``Scheduler.schedule``, append what it scheduled (tokens
+    per request id) and which requests it preempted to `path`, flushed: the
+    record survives an engine that dies in the model right after."""
+    import wrapt
+    from vllm.v1.core.sched import scheduler
+
+    log = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process
+    preempted: list[str] = []
+
+    def on_preempt(wrapped, instance, args, kwargs):
+        preempted.append((args[0] if args else kwargs["request"]).request_id)
+        return wrapped(*args, **kwargs)
+
+    def on_schedule(wrapped, instance, args, kwargs):
+        output = wrapped(*args, **kwargs)
+        step = {"scheduled": dict(output.num_scheduled_tokens), "preempted": preempted}
+        log.write(json.dumps(step) + "\n")
+        preempted.clear()
+        return output
+
+    wrapt.wrap_function_wrapper(scheduler, "Scheduler._preempt_request", on_preempt)
+    wrapt.wrap_function_wrapper(scheduler, "Scheduler.schedule", on_schedule)
+
+
 def split_attention_kernel_blocks(kernel_block_size: int) -> None:
     """Make vLLM's CPU attention backend run only `kernel_block_size`-token
     kernel blocks, as GPU backends with a fixed list of sizes do (FlashInfer
@@ -151,6 +180,8 @@ def main(options: dict) -> dict:
 
     if options.get("kernel_block_size"):
         split_attention_kernel_blocks(options["kernel_block_size"])
+    if options.get("schedule_log"):
+        record_schedules(options["schedule_log"])
     fills: list = []
     if options.get("spy"):
         from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
@@ -161,6 +192,12 @@ def main(options: dict) -> dict:
     overrides = {}
     if options.get("in_process"):
         overrides["distributed_executor_backend"] = "uni"
+    preemption = options.get("preemption")
+    if preemption:
+        overrides["num_gpu_blocks_override"] = preemption["num_gpu_blocks"]
+        overrides["max_model_len"] = preemption["prompt"] + preemption["output"]
+    if "async_scheduling" in options:
+        overrides["async_scheduling"] = options["async_scheduling"]
     if options.get("tensor_parallel", 1) > 1:
         overrides["tensor_parallel_size"] = options["tensor_parallel"]
         overrides["distributed_executor_backend"] = "mp"
@@ -169,10 +206,15 @@ def main(options: dict) -> dict:
         model = write_tiny_model(Path(scratch) / "tiny-qwen3-next")
         llm = LLM(**engine_arguments(model, **overrides))
         report["workers"] = llm.collective_rpc(worker_report)
+        batch = prompts(100, 3) + prompts(40, 2)
+        max_tokens = 6
+        if preemption:
+            batch = prompts(preemption["prompt"], preemption["requests"])
+            max_tokens = preemption["output"]
         try:
             outputs = llm.generate(
-                prompts(100, 3) + prompts(40, 2),
-                SamplingParams(max_tokens=6, ignore_eos=True),
+                batch,
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                 use_tqdm=False,
             )
             report["generated"] = [len(o.outputs[0].token_ids) for o in outputs]

@@ -4,6 +4,10 @@ applied through vLLM's plugin entry point alone."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from tests.engine.helpers import check_every_step_filled_exactly_its_blocks, run_probe
 
 ATTENTION = "model.layers.1.self_attn.attn"
@@ -34,3 +38,75 @@ def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
     fills = report["fills"]
     assert fills and all(fill["kernel_split"][ATTENTION] == [8] for fill in fills)
     check_every_step_filled_exactly_its_blocks(fills, requests=5)
+
+
+PREEMPTION = {"num_gpu_blocks": 17, "requests": 8, "prompt": 200, "output": 120}
+"""More long requests than 17 KV blocks hold: vLLM preempts some of them."""
+
+
+def run_under_preemption(
+    tmp_path, env: dict, async_scheduling: bool = False
+) -> tuple[dict, list[dict]]:
+    """The probe's report, and every step the scheduler scheduled: tokens
+    per request and the requests it preempted (vLLM's own SchedulerOutput,
+    recorded before the model runs)."""
+    log = tmp_path / "schedule.jsonl"
+    options = {
+        "in_process": True,
+        "schedule_log": str(log),
+        "preemption": PREEMPTION,
+        "async_scheduling": async_scheduling,
+    }
+    report = run_probe(options, env=env, may_die=True)
+    return report, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def admissions(steps: list[dict]) -> dict[str, list[int]]:
+    """Per request, the tokens computed in the step that admitted it and in
+    each step that resumed it after a preemption."""
+    admitted: dict[str, list[int]] = {}
+    waiting: set[str] = set()
+    for step in steps:
+        waiting.update(step["preempted"])
+        for request_id, tokens in step["scheduled"].items():
+            if request_id not in admitted or request_id in waiting:
+                admitted.setdefault(request_id, []).append(tokens)
+                waiting.discard(request_id)
+    return admitted
+
+
+def beyond_one_token(steps: list[dict]) -> int:
+    """Tokens scheduled beyond one per request per step: real prefill."""
+    return sum(n - 1 for step in steps for n in step["scheduled"].values())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_with_the_refill_every_admission_and_resumption_computes_one_token(
+    tmp_path, async_scheduling
+):
+    report, steps = run_under_preemption(tmp_path, {}, async_scheduling)
+    assert report["returncode"] == 0
+    assert "[parts: fill, refill]" in report["log"]
+    assert report["generated"] == [PREEMPTION["output"]] * PREEMPTION["requests"]
+    preemptions = sum(len(step["preempted"]) for step in steps)
+    assert preemptions >= 1
+    admitted = admissions(steps)
+    assert len(admitted) == PREEMPTION["requests"]
+    assert sum(len(counts) for counts in admitted.values()) == (
+        PREEMPTION["requests"] + preemptions
+    )
+    assert all(counts == [1] * len(counts) for counts in admitted.values())
+    assert beyond_one_token(steps) == 0
+
+
+def test_without_the_refill_resumed_requests_are_prefilled_for_real(tmp_path):
+    report, steps = run_under_preemption(tmp_path, env={"KVFILL_PATCH_REFILL": "0"})
+    assert "[parts: fill]" in report["log"]
+    preemptions = sum(len(step["preempted"]) for step in steps)
+    resumed = [n for counts in admissions(steps).values() for n in counts[1:]]
+    assert preemptions >= 1 and len(resumed) == preemptions
+    # Each resumption recomputes the prompt and the tokens generated so far
+    # (measured here: 4 preemptions, 256 tokens each).
+    assert all(n > PREEMPTION["prompt"] for n in resumed)
+    assert beyond_one_token(steps) >= preemptions * PREEMPTION["prompt"]
+    print(f"upstream: {preemptions} preemptions, re-prefilled {resumed} tokens")
