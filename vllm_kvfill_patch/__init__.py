@@ -291,12 +291,18 @@ def _connector_exists() -> bool:
 
 
 def _kill_switch_on() -> bool:
-    value = os.environ.get(KILL_SWITCH, "").strip().lower()
-    return value not in ("", "0", "false", "no")
+    return _env_switch(KILL_SWITCH) not in ("", *_OFF)
 
 
 def _refill_switched_off() -> bool:
-    return os.environ.get(REFILL_SWITCH, "").strip().lower() in ("0", "false", "no")
+    return _env_switch(REFILL_SWITCH) in _OFF
+
+
+_OFF = ("0", "false", "no")
+
+
+def _env_switch(name: str) -> str:
+    return os.environ.get(name, "").strip().lower()
 
 
 def _vllm_version() -> str | None:
