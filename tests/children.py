@@ -87,6 +87,19 @@ def modules_loaded_by_importing_the_package() -> dict:
     return {"loaded": loaded, "decision": vllm_kvfill_patch.status().decision.value}
 
 
+def status_command() -> dict:
+    """`python -m vllm_kvfill_patch`: the package's __main__ run as that
+    command runs it (what it prints is the child's stdout)."""
+    import runpy
+
+    sys.argv = ["vllm_kvfill_patch"]
+    try:
+        runpy.run_module("vllm_kvfill_patch", run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        return {"exitcode": exit_.code}
+    return {"exitcode": None}
+
+
 def _plugins_in_a_spawned_child(queue) -> None:
     import wrapt  # noqa: F401 - as a worker has it, before the plugins
 

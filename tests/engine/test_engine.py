@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.helpers import check_every_step_filled_exactly_its_blocks, run_probe
+from tests.engine.helpers import (
+    EAGER_ENV,
+    check_every_step_filled_exactly_its_blocks,
+    run_probe,
+)
 from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
 
 LIST_CRASH = "'list' object has no attribute 'device'"
@@ -104,7 +108,9 @@ def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
         env={
             "PYTHONPATH": os.pathsep.join(
                 filter(None, [target, os.environ.get("PYTHONPATH")])
-            )
+            ),
+            # Its own vLLM cache: one shared with 0.23 misses at each switch.
+            "VLLM_CACHE_ROOT": str(Path(target, ".vllm-cache")),
         },
     )
     assert (
@@ -135,7 +141,12 @@ def test_vllm_serve_completes_through_decode_bench_connector(tmp_path):
     ]  # fmt: skip
     log = tmp_path / "server.log"
     with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **EAGER_ENV},
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
