@@ -8,18 +8,30 @@ from pathlib import Path
 
 import pytest
 
-import vllm_kvfill_patch
+from tests import zygote
 from tests.children import load_connector_file
 from tests.helpers import BUILD_COMMAND, CONNECTOR_PATH, git_apply, patches_by_release
-from vllm_kvfill_patch import Decision
+
+# Neither vLLM, wrapt nor this package is imported before pytest_configure
+# has forked the zygote (tests/zygote.py).
 
 PATCHED_CONNECTOR_FILE = os.environ.get("KVFILL_CONNECTOR_FILE")
 """An upstream connector file with a patch from patches/ applied: when set,
 it is loaded in place of the installed one and the overlay is switched off."""
 
-if PATCHED_CONNECTOR_FILE:
-    os.environ["KVFILL_PATCH_DISABLE"] = "1"
-    load_connector_file(PATCHED_CONNECTOR_FILE)
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests run here: not an xdist controller, whose workers have their own
+    # zygote each, nor a --collect-only.
+    if not (getattr(config.option, "numprocesses", None) or config.option.collectonly):
+        zygote.start()
+    if PATCHED_CONNECTOR_FILE:
+        os.environ["KVFILL_PATCH_DISABLE"] = "1"
+        load_connector_file(PATCHED_CONNECTOR_FILE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    zygote.stop()
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +114,9 @@ def implementation(vllm_version):
     """For the modules whose ``behaviour`` tests also run against patches/:
     the overlay, applied (and left applied), or the patched upstream file."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    import vllm_kvfill_patch
+    from vllm_kvfill_patch import Decision
 
     if PATCHED_CONNECTOR_FILE:
         assert decode_bench_connector.__file__ == PATCHED_CONNECTOR_FILE

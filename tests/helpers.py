@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from tests import children
+from tests import children, zygote
 from tests.children import CONNECTOR_MODULE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,81 +21,56 @@ CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
 BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
 
 
-PRELOADED = [
-    "torch",
-    "torch._dynamo",
-    "torch._inductor.lowering",
-    "torch._inductor.compile_fx",
-    "torch.distributed.checkpoint",
-    "transformers",
-    "transformers.modeling_utils",
-    "transformers.processing_utils",
-    "transformers.models.auto",
-    "transformers.modeling_gguf_pytorch_utils",
-    "openai",
-    "aiohttp",
-    "pydantic",
-    "fastapi",
-    "xgrammar",
-    "setuptools",
-    "requests",
-    "zmq",
-    "prometheus_client",
-    "psutil",
-    "msgspec",
-    "tokenizers",
-]
-"""What the fork server imports once: the third-party modules that are most
-of vLLM's import time (a child then imports the connector in 1 s, not 8 s).
-Never vLLM, wrapt or this package, whose import order is what the scenarios
-are about (each child checks). One a release lacks is skipped."""
-NEVER_PRELOADED = ("vllm", "wrapt", "vllm_kvfill_patch")
-
-
 def run_fresh(
     function: Callable, *args, env: dict | None = None, cwd: Path | None = None
 ) -> dict:
     """Run `function` (from tests/children.py) in a fresh process.
 
-    Forked from a fork server that imported only PRELOADED; with `cwd` (a
-    directory outside the checkout), a cold interpreter instead, whose
-    sys.path holds neither the checkout nor what pytest added. Returns the
-    function's JSON report, with the child's output under "stdout" and
-    "stderr" (vLLM logs to stdout).
+    A child of the zygote (run_forked); with `cwd` (a directory outside the
+    checkout), a cold interpreter instead, whose sys.path holds neither the
+    checkout nor what pytest added. Returns the function's JSON report, with
+    the child's output under "stdout" and "stderr" (vLLM logs to stdout).
     """
     if cwd is not None:
         return _run_cold(function, args, env, cwd)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch)
-        child = context.Process(
-            target=_child_main, args=(function.__name__, args, env or {}, str(out))
-        )
-        child.start()
-        child.join(300)
-        stdout, stderr = (out / "stdout").read_text(), (out / "stderr").read_text()
-        result = out / "result.json"
-        assert child.exitcode == 0 and result.exists(), (
-            f"child failed ({child.exitcode}):\n{stdout}\n{stderr}"
-        )
-        report = json.loads(result.read_text())
+    exitcode, report, stdout, stderr = run_forked(function, args, env or {})
+    assert exitcode == 0 and report is not None, (
+        f"child failed ({exitcode}):\n{stdout}\n{stderr}"
+    )
     report["stdout"], report["stderr"] = stdout, stderr
     return report
 
 
-def _child_main(name: str, args: tuple, env: dict, out: str) -> None:
+def run_forked(
+    function: Callable, args: tuple, env: dict, timeout: float = 300
+) -> tuple[int, dict | None, str, str]:
+    """`function(*args)` in a child forked from the zygote (tests/zygote.py),
+    under `env` (its PYTHONPATH leading sys.path, as in a new interpreter).
+
+    Returns the child's exit code (-9: killed after `timeout` seconds), the
+    function's JSON report (None if it returned none), its stdout and stderr.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch)
+        exitcode = zygote.run(_child_main, (function, args, env, str(out)), timeout)
+        result = out / "result.json"
+        report = json.loads(result.read_text()) if result.exists() else None
+        return exitcode, report, *((out / n).read_text() for n in ("stdout", "stderr"))
+
+
+def _child_main(function: Callable, args: tuple, env: dict, out: str) -> None:
     """In the forked child: output to files, env applied, then the scenario."""
-    loaded = [m for m in NEVER_PRELOADED if m in sys.modules]
-    assert not loaded, f"the fork server has loaded {loaded}"
+    loaded = [m for m in zygote.NEVER_PRELOADED if m in sys.modules]
+    assert not loaded, f"the zygote has loaded {loaded}"
     for stream, fd in (("stdout", 1), ("stderr", 2)):
         with open(os.path.join(out, stream), "w") as file:
             os.dup2(file.fileno(), fd)
+    # pytest may have had its capture files there when it forked the zygote
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     os.environ.update(env)
-    from tests import children
-
+    sys.path[:0] = filter(None, env.get("PYTHONPATH", "").split(os.pathsep))
     try:
-        result = getattr(children, name)(*args)
+        result = function(*args)
         with open(os.path.join(out, "result.json"), "w") as file:
             json.dump(result, file)
     finally:
@@ -125,7 +99,7 @@ def _run_cold(function: Callable, args: tuple, env: dict | None, cwd: Path) -> d
 def status_command(cwd: Path | None = None) -> str:
     """What `python -m vllm_kvfill_patch` prints, in a fresh process: that
     command in a cold interpreter started in `cwd`; without `cwd`, its
-    __main__ run in a fork-server child (1 s against 9 s here)."""
+    __main__ run in a child of the zygote (1 s against 9 s here)."""
     if cwd is None:
         report = run_fresh(children.status_command)
         assert report["exitcode"] in (0, None), report["stderr"][-5000:]

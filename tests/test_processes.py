@@ -1,7 +1,7 @@
 """The patch in fresh interpreters and spawned children, on the installed vLLM.
 
 Each scenario is a function in tests/children.py, run in a fresh process
-(``helpers.run_fresh``: forked from a server that has imported torch and
+(``helpers.run_fresh``: forked from the zygote, which has imported torch and
 transformers, never vLLM, wrapt or this package).
 """
 
@@ -48,7 +48,7 @@ def test_import_order_matrix(order, vllm_version):
 
 
 def test_importing_the_package_imports_neither_vllm_nor_torch(tmp_path):
-    # A cold interpreter: the fork server's has torch loaded.
+    # A cold interpreter: the zygote has torch loaded.
     report = run_fresh(children.modules_loaded_by_importing_the_package, cwd=tmp_path)
     assert report["loaded"] == ["wrapt"] and report["decision"] == "pending"
 

@@ -1,0 +1,109 @@
+"""A process forked from pytest's own, which forks the fresh processes of
+``helpers.run_fresh``.
+
+It is forked once pytest has imported the heavy third-party modules vLLM
+needs (PRELOADED), and before anything imports vLLM, wrapt or this package
+(NEVER_PRELOADED). A child then starts with those modules loaded and none of
+its scenario's: it imports the connector in about a second, and the session
+pays for PRELOADED once, in the pytest process, which needs them anyway to
+build its VllmConfig (a fork server of its own imported them again: ~9 s a
+session).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import multiprocessing
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+PRELOADED = [
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.lowering",
+    "torch._inductor.compile_fx",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.processing_utils",
+    "transformers.models.auto",
+    "transformers.modeling_gguf_pytorch_utils",
+    "openai",
+    "aiohttp",
+    "pydantic",
+    "fastapi",
+    "xgrammar",
+    "setuptools",
+    "requests",
+    "zmq",
+    "prometheus_client",
+    "psutil",
+    "msgspec",
+    "tokenizers",
+]
+"""The third-party modules that are most of vLLM's import time, all of which
+building a VllmConfig imports. One a release lacks is skipped."""
+NEVER_PRELOADED = ("vllm", "wrapt", "vllm_kvfill_patch")
+"""Whose import order is what the scenarios are about (each child checks)."""
+_requests: Connection | None = None
+_zygote: multiprocessing.process.BaseProcess | None = None
+
+
+def start() -> None:
+    """Import PRELOADED here and fork the zygote; nothing without a vLLM."""
+    global _requests, _zygote
+    loaded = [m for m in NEVER_PRELOADED if m in sys.modules]
+    if loaded:
+        raise RuntimeError(f"the zygote must start before {loaded} is imported")
+    if importlib.util.find_spec("vllm") is None:
+        return
+    for module in PRELOADED:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    fork = multiprocessing.get_context("fork")
+    _requests, zygote_end = fork.Pipe()
+    _zygote = fork.Process(target=_serve, args=(zygote_end,), name="zygote")
+    _zygote.start()
+    zygote_end.close()
+
+
+def stop() -> None:
+    """Close the request pipe; the zygote exits at its end."""
+    global _requests, _zygote
+    if _requests is not None:
+        _requests.close()
+        _zygote.join()
+    _requests = _zygote = None
+
+
+def run(target: Callable, args: tuple, timeout: float) -> int:
+    """Run `target(*args)` in a child forked from the zygote; its exit code
+    (-9 if it ran past `timeout` seconds and was killed)."""
+    if _requests is None:
+        raise RuntimeError(
+            "no zygote: tests/conftest.py starts it when vLLM is installed"
+        )
+    _requests.send((target, args, timeout))
+    return _requests.recv()
+
+
+def _serve(requests: Connection) -> None:
+    if _requests is not None:
+        _requests.close()  # pytest's end: the zygote sees EOF when pytest closes it
+    fork = multiprocessing.get_context("fork")
+    while True:
+        try:
+            target, args, timeout = requests.recv()
+        except EOFError:
+            return
+        child = fork.Process(target=target, args=args)
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        requests.send(child.exitcode)
