@@ -101,8 +101,8 @@ def ci(session: nox.Session) -> None:
 
     Each session is a `nox -s` of its own, started as a lane frees up; its
     output is printed whole when it ends. Inside, pytest runs without xdist
-    workers, so a session imports vLLM, builds its config and starts its
-    fork server once, not once per worker.
+    workers, so a session imports vLLM, builds its config and forks its
+    zygote (tests/zygote.py) once, not once per worker.
     """
     if hasattr(os, "sched_getaffinity"):  # the cores this process may use
         lanes = len(os.sched_getaffinity(0))

