@@ -88,7 +88,10 @@ def run(target: Callable, args: tuple, timeout: float) -> int:
             "no zygote: tests/conftest.py starts it when vLLM is installed"
         )
     _requests.send((target, args, timeout))
-    return _requests.recv()
+    try:
+        return _requests.recv()
+    except EOFError:
+        raise RuntimeError(f"the zygote (pid {_zygote.pid}) died") from None
 
 
 def _serve(requests: Connection) -> None:
