@@ -1,5 +1,5 @@
-"""A process forked from pytest's own, which forks the fresh processes of
-``helpers.run_fresh``.
+"""A process forked from pytest's own, which forks the tests' fresh processes
+(``helpers.run_forked``: the scenarios of children.py, the engine probes).
 
 It is forked once pytest has imported the heavy third-party modules vLLM
 needs (PRELOADED), and before anything imports vLLM, wrapt or this package
@@ -47,6 +47,7 @@ PRELOADED = [
 building a VllmConfig imports. One a release lacks is skipped."""
 NEVER_PRELOADED = ("vllm", "wrapt", "vllm_kvfill_patch")
 """Whose import order is what the scenarios are about (each child checks)."""
+
 _requests: Connection | None = None
 _zygote: multiprocessing.process.BaseProcess | None = None
 
@@ -95,6 +96,8 @@ def run(target: Callable, args: tuple, timeout: float) -> int:
 
 
 def _serve(requests: Connection) -> None:
+    """The zygote: one child per request, one at a time, until pytest's end
+    of the pipe closes."""
     if _requests is not None:
         _requests.close()  # pytest's end: the zygote sees EOF when pytest closes it
     fork = multiprocessing.get_context("fork")
