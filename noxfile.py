@@ -80,8 +80,8 @@ nox.options.sessions = ["ci"]
 
 def ci_sessions() -> list[str]:
     """What `ci` runs: every test session, the longest first (measured here
-    under `ci`: the engines 1.3 - 2.3 min, a connector release 40 - 70 s,
-    the wheel 33 s, an inert release 17 s, lint and policy seconds)."""
+    under `ci`: the engines 1.0 - 2.6 min, a connector release 36 - 87 s,
+    the wheel 41 s, an inert release 13 s, lint and policy seconds)."""
     releases = [v for v in TESTED if RELEASES["policy_for"](v).decision == "applied"]
     patched = [v for v in releases if v in patch_releases()]
     return [
