@@ -86,10 +86,10 @@ def vllm_config_for(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def patch_file(vllm_version) -> Path:
-    patch = patches_by_release().get(vllm_version)
-    assert patch, f"no patch in patches/ targets vLLM {vllm_version}"
-    return patch
+def patch_series(vllm_version) -> list[Path]:
+    series = patches_by_release().get(vllm_version)
+    assert series, f"no patch series in patches/ targets vLLM {vllm_version}"
+    return series
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +105,13 @@ def release_tree(tmp_path_factory, vllm_version) -> Path:
 
 
 @pytest.fixture(scope="module")
-def patched_connector(tmp_path_factory, release_tree, patch_file) -> Path:
+def patched_connector(tmp_path_factory, release_tree, patch_series) -> Path:
+    """The release's connector file with its whole patch series applied."""
     tree = tmp_path_factory.mktemp("patched")
     shutil.copytree(release_tree, tree, dirs_exist_ok=True)
-    result = git_apply(tree, patch_file)
-    assert result.returncode == 0, result.stderr
+    for patch in patch_series:
+        result = git_apply(tree, patch)
+        assert result.returncode == 0, f"{patch.name}: {result.stderr}"
     return tree / CONNECTOR_PATH
 
 

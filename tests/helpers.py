@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 
 CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
+UPSTREAM_TEST_PATH = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
+"""Upstream's own tests of the connector, in vLLM's source tree."""
 BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
 
 
@@ -115,15 +117,26 @@ def status_command(cwd: Path | None = None) -> str:
     return result.stdout
 
 
-def patches_by_release() -> dict[str, Path]:
+def patches_by_release() -> dict[str, list[Path]]:
     from vllm_kvfill_patch.releases import patches_by_release as by_release
 
     return by_release(ROOT / "patches")
 
 
 def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess:
+    """`git apply` the connector's part of `patch` in `tree` (a series also
+    changes upstream's test file, which a connector-only tree lacks)."""
     return subprocess.run(
-        ["git", "apply", *options, str(patch)], cwd=tree, capture_output=True, text=True
+        [
+            "git",
+            "apply",
+            f"--include={CONNECTOR_PATH.as_posix()}",
+            *options,
+            str(patch),
+        ],
+        cwd=tree,
+        capture_output=True,
+        text=True,
     )
 
 

@@ -388,6 +388,34 @@ def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
 
 
+@behaviour
+@pytest.mark.parametrize("fill_std", [0.0, 1.0], ids=["constant", "random"])
+def test_an_out_of_range_mean_gives_the_largest_finite_value(vllm_config_for, fill_std):
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=1e39, fill_std=fill_std), pool
+    )
+    before = pool.raw.clone()
+    start_fill(connector, {"r": (([2], []), 16)})
+    largest = torch.finfo(ATTENTION_DTYPE).max
+    assert (pool.attention_block(2) == largest).all()
+    expect_only_pages_changed(pool, before, {2})
+
+
+@behaviour
+def test_an_out_of_range_mean_in_an_fp8_cache_is_its_largest_finite_value(
+    vllm_config_for,
+):
+    pool = make_pool(NUM_BLOCKS)
+    fp8_cache = torch.zeros(NUM_BLOCKS, 2, 16, 1, 64, dtype=torch.uint8)
+    pool.caches[ATTENTION_LAYER] = fp8_cache
+    with fp8_connector(vllm_config_for(fill_mean=1e6), pool) as connector:
+        start_fill(connector, {"r": (([2], []), 16)})
+    largest = torch.finfo(torch.float8_e4m3fn).max
+    assert (fp8_cache[2].view(torch.float8_e4m3fn).float() == largest).all()
+    assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
+
+
 def test_revert_restores_the_original_function_objects():
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
         DecodeBenchConnector,

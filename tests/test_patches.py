@@ -1,37 +1,62 @@
-"""patches/: each file applies to its release's real connector file and
-behaves exactly like the overlay (the same behaviour tests, run on it).
+"""patches/: each release's series applies in order to the release's real
+connector file and behaves exactly like the overlay (the same behaviour
+tests, run on it). Upstream's own gates on the series (vLLM's pre-commit
+hooks, its connector tests after each commit) are tests/test_upstream.py.
 
-Run in the sessions of releases that have a patch file (see noxfile.py).
+Run in the sessions of releases that have a patch series (see noxfile.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 from tests import children
-from tests.helpers import CONNECTOR_PATH, ROOT, git_apply, run_fresh
+from tests.helpers import (
+    CONNECTOR_PATH,
+    ROOT,
+    UPSTREAM_TEST_PATH,
+    git_apply,
+    run_fresh,
+)
 from vllm_kvfill_patch.releases import parse_release
 
 
-def test_patch_is_a_format_patch_of_the_connector_only(patch_file):
-    text = patch_file.read_text()
-    assert re.match(r"From [0-9a-f]{40} ", text)
-    for header in ("\nFrom: ", "\nDate: ", "\nSubject: [PATCH] "):
-        assert header in text
-    touched = re.findall(r"^diff --git a/(\S+) b/", text, re.MULTILINE)
-    assert touched == [CONNECTOR_PATH.as_posix()]
-    if parse_release(patch_file.name.rpartition("-v")[2][:-6]) < (0, 24, 0):
+def test_each_patch_is_a_signed_off_format_patch_of_the_connector_and_its_tests(
+    patch_series,
+):
+    count = len(patch_series)
+    for number, patch in enumerate(patch_series, start=1):
+        text = patch.read_text()
+        assert re.match(r"From [0-9a-f]{40} ", text), patch.name
+        numbering = f"PATCH {number}/{count}" if count > 1 else "PATCH"
+        # A title prefix such as [Bugfix] follows, kept by git am -b.
+        assert f"\nSubject: [{numbering}] [" in text, patch.name
+        assert re.search(r"^Signed-off-by: .+ <.+>$", text, re.MULTILINE), patch.name
+        touched = re.findall(r"^diff --git a/(\S+) b/", text, re.MULTILINE)
+        assert CONNECTOR_PATH.as_posix() in touched, patch.name
+        assert set(touched) <= {CONNECTOR_PATH.as_posix(), UPSTREAM_TEST_PATH}
+
+
+def test_the_series_says_what_it_fixes_in_the_release(patch_series, vllm_version):
+    text = "".join(patch.read_text() for patch in patch_series)
+    if parse_release(vllm_version) < (0, 24, 0):
         assert "'list' object has no attribute 'device'" in text
     else:
-        assert "(#45080)" in text
+        assert "#45080" in text
 
 
-def test_patch_applies_to_the_release_file(release_tree, patch_file):
-    result = git_apply(release_tree, patch_file, "--check")
-    assert result.returncode == 0, result.stderr
+def test_the_series_applies_in_order_to_the_release_file(
+    tmp_path, release_tree, patch_series
+):
+    shutil.copytree(release_tree, tmp_path, dirs_exist_ok=True)
+    for patch in patch_series:
+        assert git_apply(tmp_path, patch, "--check").returncode == 0, patch.name
+        result = git_apply(tmp_path, patch)
+        assert result.returncode == 0, f"{patch.name}: {result.stderr}"
 
 
 BEHAVIOUR_TESTS = ["tests/test_connector.py", "tests/test_refill.py"]

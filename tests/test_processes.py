@@ -192,11 +192,9 @@ def test_status_command_prints_the_decision(vllm_version):
     out = status_command()
     assert f"vLLM version: {vllm_version}" in out
     assert "decision:     applied" in out
-    patch = patches_by_release().get(vllm_version)
-    if patch:
-        assert (
-            f"patch file:   {patch.name} (for this release; print it with --patch)"
-            in out
-        )
+    series = patches_by_release().get(vllm_version)
+    if series:
+        names = ", ".join(p.name for p in series)
+        assert f"patches:      {len(series)} for this release, in order: {names}" in out
     else:
-        assert "patch file:   none for this release" in out
+        assert "patches:      none for this release" in out

@@ -26,17 +26,18 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
     requires = sorted(r.split(">")[0].split("<")[0] for r in distribution.requires)
     assert requires == ["torch", "wrapt"]
     packaged = {f.name for f in distribution.files if f.suffix == ".patch"}
-    assert packaged == {p.name for p in patches_by_release().values()}
+    assert packaged == {p.name for s in patches_by_release().values() for p in s}
 
 
 def test_status_command_names_and_prints_the_patch_from_the_wheel(
     tmp_path, vllm_version
 ):
     out = status_command(cwd=tmp_path)
-    patch = patches_by_release()[vllm_version]
+    series = patches_by_release()[vllm_version]
     assert "decision:     applied" in out
     assert f"reason:       {applied_reason(vllm_version)}" in out
-    assert f"patch file:   {patch.name} (for this release" in out
+    names = ", ".join(p.name for p in series)
+    assert f"patches:      {len(series)} for this release, in order: {names}" in out
     printed = subprocess.run(
         [sys.executable, "-m", "vllm_kvfill_patch", "--patch"],
         capture_output=True,
@@ -44,7 +45,7 @@ def test_status_command_names_and_prints_the_patch_from_the_wheel(
         cwd=tmp_path,
         check=True,
     ).stdout
-    assert printed == patch.read_text()
+    assert printed == "".join(p.read_text() for p in series)
 
 
 def test_entry_point_of_the_wheel_patches_a_spawned_child(tmp_path):

@@ -1,7 +1,8 @@
 """`python -m vllm_kvfill_patch`: the patch's decision for the installed vLLM.
 
-`--patch` prints the upstream patch for the installed release instead, ready
-for `git am` (the wheel carries patches/ as package data).
+`--patch` prints the upstream patch series for the installed release instead,
+ready for `git am --keep-non-patch` (the wheel carries patches/ as package
+data).
 """
 
 from __future__ import annotations
@@ -10,18 +11,24 @@ import argparse
 import sys
 from importlib import metadata
 from importlib.resources import files
+from typing import TYPE_CHECKING
 
 from vllm_kvfill_patch import load_vllm_plugin, status
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
-def patch_for(vllm_version: str | None):
-    """The packaged patch file for `vllm_version`, or None."""
-    patches = files("vllm_kvfill_patch") / "patches"
-    if vllm_version is None or not patches.is_dir():
-        return None
-    base = vllm_version.split("+")[0]
-    return next(
-        (p for p in patches.iterdir() if p.name.endswith(f"-v{base}.patch")), None
+
+def series_for(vllm_version: str | None) -> list[Traversable]:
+    """The packaged patch series for `vllm_version`, in order; [] if none."""
+    if vllm_version is None:
+        return []
+    folder = files("vllm_kvfill_patch") / "patches" / f"v{vllm_version.split('+')[0]}"
+    if not folder.is_dir():
+        return []
+    return sorted(
+        (p for p in folder.iterdir() if p.name.endswith(".patch")),
+        key=lambda p: p.name,
     )
 
 
@@ -38,29 +45,35 @@ def installed_vllm_version() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--patch", action="store_true", help="print the patch for this release"
+        "--patch",
+        action="store_true",
+        help="print the patch series for this release (for git am)",
     )
     args = parser.parse_args(argv)
     if args.patch:
         # Without importing vLLM, which logs to stdout: the output goes to git am.
         version = installed_vllm_version()
-        patch = patch_for(version)
-        if patch is None:
+        series = series_for(version)
+        if not series:
             print(f"no patch for vLLM {version}", file=sys.stderr)
             return 1
-        sys.stdout.write(patch.read_text())
+        # One mailbox: git am applies its patches in this order.
+        sys.stdout.write("".join(patch.read_text() for patch in series))
         return 0
     load_vllm_plugin()
     current = status()
-    patch = patch_for(current.vllm_version)
+    series = series_for(current.vllm_version)
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
     print(f"parts:        {', '.join(current.parts) or 'none'}")
     print(f"reason:       {current.reason}")
-    if patch is not None:
-        print(f"patch file:   {patch.name} (for this release; print it with --patch)")
+    if series:
+        print(
+            f"patches:      {len(series)} for this release, in order: "
+            f"{', '.join(p.name for p in series)} (print them with --patch)"
+        )
     else:
-        print("patch file:   none for this release")
+        print("patches:      none for this release")
     return 0
 
 

@@ -171,7 +171,7 @@ def bare_worker(
     fill_std: float = 0.0,
 ):
     """A worker with only what upstream's fill methods read, in every known
-    release and in patches/0002; no vLLM config needed."""
+    release and in patches/v0.33.0; no vLLM config needed."""
     worker = object.__new__(worker_cls)
     worker.kv_caches = kv_caches
     worker.group_to_layers = group_to_layers
@@ -179,8 +179,8 @@ def bare_worker(
     worker.fill_std = fill_std
     worker._zero_fill_group_ids = set()  # 0.30+
     worker._fp8_dtypes = {}  # 0.31+
-    worker.num_blocks, worker._group_block_sizes = num_blocks, {}  # patches/0002
-    # patches/0001 (and vLLM <= 0.29): the configs, as far as the fill reads them.
+    worker.num_blocks, worker._host_group_ids = num_blocks, set()  # patches/v0.33.0
+    # patches/v0.23.0 (and vLLM <= 0.29): the configs, as far as the fill reads them.
     worker.kv_cache_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[])
     cache_config = SimpleNamespace(cache_dtype="auto", num_gpu_blocks=num_blocks)
     worker.vllm_config = SimpleNamespace(cache_config=cache_config)

@@ -31,7 +31,8 @@ How
 
 Upstream
     #25986 (the connector; "only fill once per request"). No release carries
-    a fix; a fork does.
+    a fix; ``patches/v0.33.0/0004`` is the upstream PR, ``patches/v0.23.0``
+    carries it for forks.
 
 Versions
     Every release with the connector (0.11.1 - 0.33 today): the gating

@@ -129,14 +129,19 @@ ENGINE_TESTS = {
 UNTESTED = "not tested here: not in the matrix (one release per connector variant)"
 
 
-PATCH_NAME = re.compile(r"^\d{4}-.*-v(\d+\.\d+\.\d+)\.patch$")
-"""patches/ file names: ``NNNN-<subject>-v<release>.patch``."""
+SERIES_DIRECTORY = re.compile(r"^v(\d+\.\d+\.\d+)$")
+"""patches/ holds one series per release, ``v<release>/NNNN-<subject>.patch``
+as ``git format-patch`` writes them, applied in order with ``git am``."""
 
 
-def patches_by_release(directory: Path) -> dict[str, Path]:
-    """The patch files in `directory` (patches/), by the release they target."""
-    found = ((PATCH_NAME.match(p.name), p) for p in sorted(directory.glob("*.patch")))
-    return {match.group(1): path for match, path in found if match}
+def patches_by_release(directory: Path) -> dict[str, list[Path]]:
+    """The patch series in `directory` (patches/), by the release they target."""
+    series = {}
+    for folder in sorted(directory.iterdir()):
+        match = SERIES_DIRECTORY.match(folder.name)
+        if match and folder.is_dir():
+            series[match.group(1)] = sorted(folder.glob("*.patch"))
+    return {release: files for release, files in series.items() if files}
 
 
 CURRENT = (0, 30, 0)

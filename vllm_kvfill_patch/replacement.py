@@ -50,8 +50,9 @@ Upstream
     #25986 (the connector), #45080 (the whole-tensor state fill, 0.24.0),
     #54647 (per-group map, 0.30.0), #54879 (zero-filled circular buffers),
     #56473 (the fill's cost), #57751 (fill only allocated Mamba blocks).
-    The same change as a ``git format-patch`` file: ``patches/`` (0002 is
-    the upstream PR for the newest release).
+    The same change as ``git format-patch`` series: ``patches/v<release>/``
+    (``v0.33.0`` is the upstream PRs for the newest release, one commit each).
+    Upstream's gates on them: ``tests/test_upstream.py``.
 
 Versions
     Where ``releases.SUPPORT_POLICY`` says "applied" (the README's table,
@@ -61,7 +62,7 @@ Versions
 
 Remove when
     Your vLLM's connector fills kernel-split caches and list states by
-    block, once per step, in place (patches/0002 merged): the probes then
+    block, once per step, in place (patches/v0.33.0 merged): the probes then
     find nothing and the patch stays out by itself (``inert``).
 """
 
