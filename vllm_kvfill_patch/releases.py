@@ -129,6 +129,14 @@ ENGINE_TESTS = {
 UNTESTED = "not tested here: not in the matrix (one release per connector variant)"
 
 
+SOURCE_DISTRIBUTIONS = {
+    "0.23.0": "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5",
+    "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+}
+"""vLLM's source distributions (sha256) for the releases patches/ targets:
+they ship upstream's tests and pre-commit config, the gates each series is
+checked against (``python3 -m nox -s upstream``)."""
+
 SERIES_DIRECTORY = re.compile(r"^v(\d+\.\d+\.\d+)$")
 """patches/ holds one series per release, ``v<release>/NNNN-<subject>.patch``
 as ``git format-patch`` writes them, applied in order with ``git am``."""

@@ -1,0 +1,80 @@
+"""The patch series under vLLM's own tests, in the release's source tree.
+
+The noxfile unpacks the release's source distribution (it ships ``tests/``
+and the pre-commit config) into a git tree tagged ``v<release>``; here the
+series is applied to it with ``git am``, and after each commit upstream's
+own connector test file runs on the tree's sources. Each commit must add a
+test that fails on the commit before it. vLLM's pre-commit hooks on the
+newest series: tests/test_upstream_hooks.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.helpers import CONNECTOR_PATH, UPSTREAM_TEST_PATH
+from tests.upstream import added_test_functions, run_upstream_tests
+
+
+def git(tree, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=tree, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_the_series_applies_in_order_one_commit_each_keeping_title_prefixes(
+    series_commits, patch_series, upstream_tree
+):
+    assert len(series_commits) == len(patch_series)
+    for commit, patch in zip(series_commits, patch_series, strict=True):
+        subject = git(upstream_tree, "log", "-1", "--format=%s", commit)
+        # "[Bugfix][KV Connector] ...": git am -b strips only "[PATCH n/m]".
+        assert subject.startswith("["), subject
+        assert subject.split("]")[0] in patch.read_text(), patch.name
+        assert "Signed-off-by: " in git(
+            upstream_tree, "log", "-1", "--format=%b", commit
+        )
+
+
+def test_upstream_tests_import_the_trees_sources_not_the_wheel(upstream_tree):
+    found = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
+        cwd=upstream_tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert found == str(upstream_tree / "vllm" / "__init__.py")
+
+
+def test_after_each_commit_upstreams_tests_pass_and_one_it_adds_failed_before(
+    upstream_tree, series_commits, commit_index, vllm_version
+):
+    commit = series_commits[commit_index]
+    parent = f"{commit}~1"
+    git(upstream_tree, "checkout", "-q", "-f", "--detach", commit)
+    env = dict(os.environ)
+    after = run_upstream_tests(upstream_tree, UPSTREAM_TEST_PATH, env)
+    failing = {name: outcome for name, outcome in after.items() if outcome != "passed"}
+    assert not failing, f"after {commit}: {failing}"
+
+    diff = git(upstream_tree, "show", commit, "--", UPSTREAM_TEST_PATH)
+    added = added_test_functions(diff)
+    assert added, "the commit adds no test to upstream's connector test file"
+    new = [name for name in after if name.split("[")[0] in added]
+    old = len(after) - len(new)
+    print(f"{commit[:10]}: {len(after)} tests pass ({old} before it, {len(new)} new)")
+
+    connector = CONNECTOR_PATH.as_posix()
+    git(upstream_tree, "checkout", "-q", parent, "--", connector)
+    try:
+        before = run_upstream_tests(
+            upstream_tree, UPSTREAM_TEST_PATH, env, "-k", " or ".join(added)
+        )
+    finally:
+        git(upstream_tree, "checkout", "-q", commit, "--", connector)
+    assert set(before) == set(new)
+    failed_before = [name for name, outcome in before.items() if outcome != "passed"]
+    assert failed_before, f"every test {commit[:10]} adds passes on its parent"

@@ -1,0 +1,138 @@
+"""vLLM's own gates, as its source distribution defines them: the Python hooks
+of its pre-commit config, at the versions it pins, and its own tests.
+
+pre-commit itself would fetch each hook's repository; here each hook runs from
+the same tool release, installed from the package index (the noxfile builds
+that environment from `hook_requirements`), in check mode.
+
+`python -m tests.upstream requirements TREE` prints the hook tools to install.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PYTHON_HOOKS = (
+    "ruff-check",
+    "ruff-format",
+    "typos",
+    "mypy",
+    "check-spdx-header",
+    "check-root-lazy-imports",
+    "check-forbidden-imports",
+    "check-torch-cuda-call",
+    "check-boolean-context-manager",
+    "check-trust-remote-code",
+)
+"""The hooks of vLLM's pre-commit config that look at Python files."""
+
+REMOTE_HOOK_COMMANDS = {
+    "ruff-check": ["ruff", "check", "--force-exclude", "--output-format", "github"],
+    "ruff-format": ["ruff", "format", "--force-exclude", "--check"],
+    "typos": ["typos", "--force-exclude"],
+}
+"""What the hook repositories' own hook definitions run, without fixing."""
+
+REMOTE_HOOK_PACKAGES = {"ruff-pre-commit": "ruff", "typos": "typos"}
+"""Hook repository -> the package index distribution of the same release."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    id: str
+    command: list[str]
+    files: str | None = None
+
+    def applies_to(self, path: str) -> bool:
+        return path.endswith(".py") and (
+            self.files is None or re.search(self.files, path) is not None
+        )
+
+
+def _config(tree: Path) -> list[dict]:
+    return yaml.safe_load((tree / ".pre-commit-config.yaml").read_text())["repos"]
+
+
+def hook_requirements(tree: Path) -> list[str]:
+    """The tools of PYTHON_HOOKS, pinned as the tree's pre-commit config pins
+    them (a remote hook's rev is its tool's release)."""
+    requirements = []
+    for repo in _config(tree):
+        name = repo["repo"].rstrip("/").rpartition("/")[2]
+        ids = {hook["id"] for hook in repo["hooks"]} & set(PYTHON_HOOKS)
+        if name in REMOTE_HOOK_PACKAGES and ids:
+            version = repo["rev"].removeprefix("v")
+            requirements.append(f"{REMOTE_HOOK_PACKAGES[name]}=={version}")
+        for hook in repo["hooks"]:
+            if hook["id"] in PYTHON_HOOKS:
+                requirements += hook.get("additional_dependencies", [])
+    return sorted(set(requirements))
+
+
+def python_hooks(tree: Path) -> list[Hook]:
+    """PYTHON_HOOKS as the tree's pre-commit config defines them."""
+    hooks = []
+    for repo in _config(tree):
+        for hook in repo["hooks"]:
+            if hook["id"] not in PYTHON_HOOKS:
+                continue
+            if hook["id"] in REMOTE_HOOK_COMMANDS:
+                command = REMOTE_HOOK_COMMANDS[hook["id"]]
+            else:
+                command = shlex.split(hook["entry"]) + hook.get("args", [])
+            hooks.append(Hook(hook["id"], command, hook.get("files")))
+    return hooks
+
+
+def run_hook(hook: Hook, tree: Path, files: list[str], tools: Path):
+    """Run `hook` on those of `files` it applies to, with the tools in `tools`
+    (a bin directory, first on PATH; its python runs the local hooks)."""
+    selected = [path for path in files if hook.applies_to(path)]
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("VIRTUAL_ENV", None)
+    return subprocess.run(
+        [*hook.command, *selected],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def run_upstream_tests(
+    tree: Path, test_file: str, env: dict, *pytest_args: str
+) -> dict[str, str]:
+    """Run upstream's `test_file` in `tree` (whose vLLM sources it imports):
+    each test's outcome ("passed", "failed", "error", "skipped") by name."""
+    report = tree / ".kvfill-junit.xml"
+    report.unlink(missing_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={report}", test_file, *pytest_args],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+        outcomes[case.get("name")] = outcome
+    return outcomes
+
+
+def added_test_functions(diff: str) -> list[str]:
+    """Test functions a diff adds (`+def test_...`)."""
+    return re.findall(r"^\+def (test_\w+)\(", diff, re.MULTILINE)
+
+
+if __name__ == "__main__":
+    command, tree = sys.argv[1:3]
+    assert command == "requirements", command
+    print("\n".join(hook_requirements(Path(tree))))
