@@ -226,8 +226,11 @@ def bench(session: nox.Session, vllm: str) -> None:
     """The fill benchmark: 0.24 has both old upstream fill paths, 0.33 the
     newest."""
     install_release(session, vllm)
+    arguments = list(session.posargs)
+    if vllm in patch_releases():
+        arguments += ["--series", str(series_connector(session, vllm))]
     session.run(
-        "python", "-m", "vllm_kvfill_patch.bench", *session.posargs,
+        "python", "-m", "vllm_kvfill_patch.bench", *arguments,
         env=release_env(session, vllm),
     )  # fmt: skip
 
@@ -499,6 +502,21 @@ def source_distribution(session: nox.Session, version: str) -> Path:
         session.error(f"{url}: sha256 {sha256(partial)}, expected {expected}")
     partial.rename(archive)
     return archive
+
+
+def series_connector(session: nox.Session, version: str) -> Path:
+    """The installed release's connector file with its patch series applied."""
+    connector = Path(CONNECTOR_FILE)
+    tree = Path(session.create_tmp()) / "series"
+    shutil.rmtree(tree, ignore_errors=True)
+    (tree / connector).parent.mkdir(parents=True)
+    shutil.copy(Path(site_packages(session), connector), tree / connector)
+    for patch in RELEASES["patches_by_release"](ROOT / "patches")[version]:
+        session.run(
+            "git", "-C", str(tree), "apply", f"--include={connector.as_posix()}",
+            str(patch), external=True,
+        )  # fmt: skip
+    return tree / connector
 
 
 def sha256(path: Path) -> str:

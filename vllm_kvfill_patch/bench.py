@@ -21,10 +21,14 @@ one call, beyond what was allocated before it.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -335,24 +339,31 @@ def step_limit(worker, reqs: dict, mean: float) -> Callable[[], None]:
     return limit
 
 
-def step_table(device: torch.device, repeats: int, mean: float) -> None:
+def step_table(
+    device: torch.device, repeats: int, mean: float, series: ModuleType | None
+) -> None:
+    series_columns = " | series per step ms | series/limit" if series else ""
     print(
         "\n| requests | layer fills | filled MiB | limit ms | upstream step ms "
         "| overlay per request ms | overlay per step ms | step/limit "
-        "| upstream/step | per-request overhead us |"
+        f"| upstream/step | per-request overhead us{series_columns} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (10 + (2 if series else 0)) + "|")
     for requests in STEP_REQUESTS:
-        print(step_row(requests, device, repeats, mean), flush=True)
+        print(step_row(requests, device, repeats, mean, series), flush=True)
     print(
         f"(upstream not run above {UPSTREAM_MAX_REQUESTS} requests: its step grows "
         "with requests x pool size)"
     )
 
 
-def step_row(requests: int, device: torch.device, repeats: int, mean: float) -> str:
-    import importlib
-
+def step_row(
+    requests: int,
+    device: torch.device,
+    repeats: int,
+    mean: float,
+    series: ModuleType | None,
+) -> str:
     from vllm_kvfill_patch.replacement import fill_blocks, fill_step
 
     module = importlib.import_module(CONNECTOR_MODULE)
@@ -401,7 +412,39 @@ def step_row(requests: int, device: torch.device, repeats: int, mean: float) -> 
         vs_upstream if vs_upstream == "-" else f"{vs_upstream:.0f}x",
         f"{(step.seconds - limit.seconds) / requests * 1e6:.1f}",
     ]
+    if series is not None:
+        # The patched file's own step, on a worker of its class over the
+        # same caches.
+        series_worker = bare_worker(
+            series.DecodeBenchConnectorWorker,
+            worker.kv_caches,
+            worker.group_to_layers,
+            worker.num_blocks,
+            mean,
+        )
+        series_metadata = series.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
+        patched = measure(
+            lambda: series_worker.start_fill_kv(series_metadata),
+            device,
+            repeats,
+            peak=False,
+        )
+        cells += [
+            f"{patched.seconds * 1e3:.2f}",
+            f"{patched.seconds / limit.seconds:.2f}x",
+        ]
     return "| " + " | ".join(cells) + " |"
+
+
+def load_module_file(name: str, path: str | None) -> ModuleType | None:
+    """The module in `path` (a connector file), or None without one."""
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ms(m: Measured) -> str:
@@ -417,6 +460,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mean", type=float, default=0.015)
     parser.add_argument(
         "--table", choices=("calls", "step", "all"), default="all", help="which table"
+    )
+    parser.add_argument(
+        "--series",
+        metavar="FILE",
+        help="the connector file with patches/' series applied: its step too",
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -442,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     if args.table in ("step", "all"):
-        step_table(device, args.repeats, args.mean)
+        series = load_module_file("kvfill_series_connector", args.series)
+        step_table(device, args.repeats, args.mean, series)
 
 
 if __name__ == "__main__":
