@@ -188,7 +188,7 @@ def readme_tables(patch_releases: Iterable[str]) -> str:
         if release in ENGINE_TESTS:
             tested.append(ENGINE_TESTS[release])
         if release in patched:
-            tested.append("patch file")
+            tested.append("patch series (upstream's own tests)")
         status = "tested: " + ", ".join(tested) if tested else UNTESTED
         lines.append(f"| {release} | {policy_for(release).decision} | {status} |")
     return "\n".join(lines)
