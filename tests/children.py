@@ -295,3 +295,20 @@ def package_location() -> dict:
     import vllm_kvfill_patch
 
     return {"file": vllm_kvfill_patch.__file__}
+
+
+def upstream_pytest(tree: str, arguments: list[str]) -> dict:
+    """Upstream's own pytest, in vLLM's source `tree` and on its sources.
+
+    This process's ``tests`` package is this project's; the tree's own
+    ``tests`` (its conftest, its test modules) must be imported instead.
+    """
+    import pytest
+
+    for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
+        del sys.modules[name]
+    os.chdir(tree)
+    sys.path.insert(0, tree)
+    exitcode = int(pytest.main(["-p", "no:cacheprovider", *arguments]))
+    vllm = sys.modules.get("vllm")
+    return {"exitcode": exitcode, "vllm": getattr(vllm, "__file__", None)}

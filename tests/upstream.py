@@ -105,18 +105,22 @@ def run_hook(hook: Hook, tree: Path, files: list[str], tools: Path):
     )  # fmt: skip
 
 
-def run_upstream_tests(
-    tree: Path, test_file: str, env: dict, *pytest_args: str
-) -> dict[str, str]:
-    """Run upstream's `test_file` in `tree` (whose vLLM sources it imports):
-    each test's outcome ("passed", "failed", "error", "skipped") by name."""
+def run_upstream_tests(tree: Path, test_file: str, *pytest_args: str) -> dict[str, str]:
+    """Run upstream's `test_file` in `tree` (whose vLLM sources it imports),
+    in a child of the zygote (the third-party imports already done): each
+    test's outcome ("passed", "failed", "error", "skipped") by name."""
+    from tests import children
+    from tests.helpers import run_forked
+
     report = tree / ".kvfill-junit.xml"
     report.unlink(missing_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"--junitxml={report}", test_file, *pytest_args],
-        cwd=tree, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    arguments = ["-q", f"--junitxml={report}", test_file, *pytest_args]
+    exitcode, result, stdout, stderr = run_forked(
+        children.upstream_pytest, (str(tree), arguments), {}, timeout=900
+    )
+    assert report.exists(), f"upstream's pytest ({exitcode}):\n{stdout}\n{stderr}"
+    # The tree's own sources were tested, not the installed wheel.
+    assert result["vllm"] == str(tree / "vllm" / "__init__.py"), result
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):
         outcome = "passed"
