@@ -396,7 +396,7 @@ def install_checkout(session: nox.Session) -> None:
     installed.write_text(record)
 
 
-CHECKOUT_METADATA = ("pyproject.toml", "setup.cfg")
+CHECKOUT_METADATA = ("pyproject.toml",)
 """What an editable install copies from the checkout (entry points,
 dependencies); the code itself is read from the checkout."""
 

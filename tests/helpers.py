@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 from tests import children, zygote
@@ -157,12 +159,15 @@ def applied_reason(vllm_version: str) -> str:
 
 
 def decision_lines(report: dict, decision: str) -> int:
-    """How often a child logged ``vllm-kvfill-patch <decision>``, wherever
-    vLLM's own lines went: stdout once vLLM has configured its logging (up
-    to 0.30 at import; from 0.31 when an engine or the CLI starts), else
-    stderr, through Python's last-resort handler, which passes warnings only."""
+    """How often a child logged ``vllm-kvfill-patch <decision> for vLLM <v>
+    (hot-fix <this package's version>)``, wherever vLLM's own lines went:
+    stdout once vLLM has configured its logging (up to 0.30 at import; from
+    0.31 when an engine or the CLI starts), else stderr, through Python's
+    last-resort handler, which passes warnings only."""
     output = report["stdout"] + report["stderr"]
-    return output.count(f"vllm-kvfill-patch {decision}")
+    ours = re.escape(metadata.version("vllm-kvfill-patch"))
+    line = rf"vllm-kvfill-patch {decision} for vLLM \S+ \(hot-fix {ours}\): "
+    return len(re.findall(line, output))
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ transformers, never vLLM, wrapt or this package).
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 
 from tests import children
@@ -190,6 +192,8 @@ def test_a_method_replaced_outright_is_judged_afresh_by_apply(vllm_version):
 
 def test_status_command_prints_the_decision(vllm_version):
     out = status_command()
+    ours = metadata.version("vllm-kvfill-patch")
+    assert f"hot-fix:      vllm-kvfill-patch {ours}\n" in out
     assert f"vLLM version: {vllm_version}" in out
     assert "decision:     applied" in out
     series = patches_by_release().get(vllm_version)

@@ -29,11 +29,24 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
     assert packaged == {p.name for s in patches_by_release().values() for p in s}
 
 
+def test_the_wheel_carries_its_license_and_version():
+    distribution = metadata.distribution("vllm-kvfill-patch")
+    licenses = [f for f in distribution.files if f.name == "LICENSE"]
+    assert len(licenses) == 1
+    assert "Apache License" in licenses[0].read_text()
+    assert distribution.metadata["License-Expression"] == "Apache-2.0"
+    import vllm_kvfill_patch
+
+    assert vllm_kvfill_patch.__version__ == distribution.version
+
+
 def test_status_command_names_and_prints_the_patch_from_the_wheel(
     tmp_path, vllm_version
 ):
     out = status_command(cwd=tmp_path)
     series = patches_by_release()[vllm_version]
+    ours = metadata.version("vllm-kvfill-patch")
+    assert f"hot-fix:      vllm-kvfill-patch {ours}\n" in out
     assert "decision:     applied" in out
     assert f"reason:       {applied_reason(vllm_version)}" in out
     names = ", ".join(p.name for p in series)

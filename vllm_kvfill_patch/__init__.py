@@ -21,6 +21,7 @@ wraps, and the status says so.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -34,7 +35,18 @@ import wrapt
 
 from vllm_kvfill_patch.gating import CONNECTOR_MODULE, FILL, REFILL, Decision, judge
 
-__all__ = ["Decision", "PatchStatus", "apply", "load_vllm_plugin", "revert", "status"]
+__all__ = [
+    "Decision",
+    "PatchStatus",
+    "__version__",
+    "apply",
+    "load_vllm_plugin",
+    "revert",
+    "status",
+]
+
+__version__ = importlib.metadata.version("vllm-kvfill-patch")
+"""This hot-fix's version (pyproject.toml; CHANGELOG.md says what each has)."""
 
 KILL_SWITCH = "KVFILL_PATCH_DISABLE"
 _DISABLED_REASON = f"{KILL_SWITCH} is set"
@@ -273,9 +285,10 @@ def _decide(decision: Decision, reason: str, parts: tuple[str, ...] = ()) -> Non
     level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
     logger.log(
         level,
-        "vllm-kvfill-patch %s for vLLM %s: %s%s",
+        "vllm-kvfill-patch %s for vLLM %s (hot-fix %s): %s%s",
         new_status.decision.value,
         new_status.vllm_version,
+        __version__,
         new_status.reason,
         f" [parts: {', '.join(parts)}]" if parts else "",
     )

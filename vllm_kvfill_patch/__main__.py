@@ -13,7 +13,7 @@ from importlib import metadata
 from importlib.resources import files
 from typing import TYPE_CHECKING
 
-from vllm_kvfill_patch import load_vllm_plugin, status
+from vllm_kvfill_patch import __version__, load_vllm_plugin, status
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     load_vllm_plugin()
     current = status()
     series = series_for(current.vllm_version)
+    print(f"hot-fix:      vllm-kvfill-patch {__version__}")
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
     print(f"parts:        {', '.join(current.parts) or 'none'}")

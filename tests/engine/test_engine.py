@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -109,9 +110,10 @@ def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
             "VLLM_CACHE_ROOT": str(Path(target, ".vllm-cache")),
         },
     )
+    ours = metadata.version("vllm-kvfill-patch")
     assert (
-        "vLLM 0.24.0: _fill_blocks fills list/tuple state tensors whole"
-        in report["log"]
+        f"applied for vLLM 0.24.0 (hot-fix {ours}): _fill_blocks fills list/tuple "
+        "state tensors whole" in report["log"]
     )
     assert report["workers"][0]["decision"] == "applied"
     assert report["generated"] == [6] * 5
