@@ -32,6 +32,7 @@ PYTHON_HOOKS = (
     "check-torch-cuda-call",
     "check-boolean-context-manager",
     "check-trust-remote-code",
+    "check-test-tethering",
 )
 """The hooks of vLLM's pre-commit config that look at Python files."""
 
@@ -95,8 +96,11 @@ def python_hooks(tree: Path) -> list[Hook]:
 
 def run_hook(hook: Hook, tree: Path, files: list[str], tools: Path):
     """Run `hook` on those of `files` it applies to, with the tools in `tools`
-    (a bin directory, first on PATH; its python runs the local hooks)."""
+    (a bin directory, first on PATH; its python runs the local hooks); None
+    where it applies to none of them (pre-commit does not run it then)."""
     selected = [path for path in files if hook.applies_to(path)]
+    if not selected:
+        return None
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(
