@@ -300,10 +300,13 @@ def test_fill_calls_per_step_do_not_grow_with_the_requests(
 
 
 @behaviour
-def test_a_step_calls_fill_blocks_at_most_once_per_group(vllm_config_for, monkeypatch):
+def test_a_step_calls_fill_blocks_at_most_once_per_group(
+    vllm_config_for, monkeypatch, implementation
+):
     # The patch files fill a step through _fill_blocks, once per group; the
     # overlay does not call it at all (test_fill_calls_per_step_...).
     pool = make_pool(64)
+    before = pool.raw.clone()
     connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
     worker = connector.connector_worker
     calls = []
@@ -314,8 +317,10 @@ def test_a_step_calls_fill_blocks_at_most_once_per_group(vllm_config_for, monkey
         return fill_blocks(group_idx, block_ids, num_tokens)
 
     monkeypatch.setattr(worker, "_fill_blocks", counted)
-    start_fill(connector, step_requests(40, 64))
-    assert len(calls) == len(set(calls)) <= 2
+    requests = step_requests(40, 64)
+    start_fill(connector, requests)
+    assert sorted(calls) == ([] if implementation == "overlay" else [0, 1])
+    expect_only_pages_changed(pool, before, union_of(requests, 64))
 
 
 def test_a_step_is_byte_identical_to_filling_request_by_request(vllm_config_for):

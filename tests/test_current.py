@@ -411,11 +411,13 @@ def test_list_state_cache_upstream_fills_whole_the_fix_its_rows(
         assert changed == (set(range(NUM_BLOCKS)) if name == "upstream" else {5}), name
 
 
-def test_scheduler_side_and_loaded_group_ids_stay_upstreams():
+def test_scheduler_side_and_loaded_group_ids_stay_upstreams(vllm_config_for):
     """The overlay wraps only the worker side's fill and registration."""
-    import wrapt
+    from tests.children import wrapper_count
 
+    vllm_config_for()  # loads vLLM's plugins, this package's among them
     module = importlib.import_module(CONNECTOR_MODULE)
+    assert vllm_kvfill_patch.status().decision is Decision.APPLIED
     scheduler_methods = [
         "get_num_new_matched_tokens",
         "update_state_after_alloc",
@@ -426,4 +428,7 @@ def test_scheduler_side_and_loaded_group_ids_stay_upstreams():
     for name in scheduler_methods:
         method = module.DecodeBenchConnector.__dict__.get(name)
         if method is not None:
-            assert not isinstance(method, wrapt.ObjectProxy), name
+            assert wrapper_count(method) == 0, name
+    # Where the overlay does wrap, the same check sees it.
+    registration = module.DecodeBenchConnector.__dict__["register_kv_caches"]
+    assert wrapper_count(registration) == 1
