@@ -37,7 +37,7 @@ def test_the_series_applies_in_order_one_commit_each_keeping_title_prefixes(
 
 
 def test_after_each_commit_upstreams_tests_pass_and_one_it_adds_failed_before(
-    upstream_tree, series_commits, commit_index, vllm_version
+    upstream_tree, series_commits, commit_index
 ):
     commit = series_commits[commit_index]
     parent = f"{commit}~1"
