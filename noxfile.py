@@ -36,11 +36,8 @@ TESTED: dict[str, str] = RELEASES["TESTED"]
 SOURCE_DISTRIBUTIONS: dict[str, str] = RELEASES["SOURCE_DISTRIBUTIONS"]
 ENGINES: dict[str, str] = RELEASES["ENGINES"]
 LOCKS = ROOT / "locks"
-CONNECTOR_FILE = (
-    "vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py"
-)
-UPSTREAM_TEST_FILE = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
-"""The files of vLLM's source tree that the patch series change."""
+CONNECTOR_FILE: str = RELEASES["CONNECTOR_FILE"]
+UPSTREAM_TEST_FILE: str = RELEASES["UPSTREAM_TEST_FILE"]
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
 )
@@ -520,11 +517,8 @@ def series_connector(session: nox.Session, version: str) -> Path:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def hook_tools(session: nox.Session, tree: Path) -> Path:

@@ -21,7 +21,9 @@ TESTS = ROOT / "tests"
 
 CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
 UPSTREAM_TEST_PATH = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
-"""Upstream's own tests of the connector, in vLLM's source tree."""
+"""Upstream's own tests of the connector, in vLLM's source tree (the
+package is not imported here before the zygote starts: releases.py's copy
+is checked against these by tests/test_policy.py)."""
 BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
 
 

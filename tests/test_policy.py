@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import noxfile
 from tests.helpers import ROOT
@@ -149,3 +150,10 @@ def test_tested_releases_are_published_and_cover_every_connector_variant():
 def test_unparseable_versions_have_no_policy():
     assert parse_release("main") is None and policy_for("main") is None
     assert policy_for("0.23.0+cpu").decision == "applied"
+
+
+def test_the_upstream_files_are_the_ones_the_gating_and_tests_use():
+    from tests import helpers
+
+    assert Path(releases.CONNECTOR_FILE) == helpers.CONNECTOR_PATH
+    assert releases.UPSTREAM_TEST_FILE == helpers.UPSTREAM_TEST_PATH

@@ -129,6 +129,13 @@ ENGINE_TESTS = {
 UNTESTED = "not tested here: not in the matrix (one release per connector variant)"
 
 
+CONNECTOR_FILE = (
+    "vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py"
+)
+UPSTREAM_TEST_FILE = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
+"""The files of vLLM's source tree that the patch series change: the
+connector, and upstream's own tests of it."""
+
 SOURCE_DISTRIBUTIONS = {
     "0.23.0": "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5",
     "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
