@@ -70,13 +70,14 @@ WHEEL_RELEASE = "0.23.0"
 WRAPT = "wrapt>=2.4,<3"
 PYTHON = "3.11"
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
-LINT_TOOLS = ["ruff"]
+LINT_TOOLS = ["ruff", "mypy"]
 
 SUITES = {
     "applied": [
         "tests/test_fill.py",
         "tests/test_connector.py",
         "tests/test_refill.py",
+        "tests/test_late_apply.py",
         "tests/test_processes.py",
     ],
     "inert": ["tests/test_fill.py", "tests/test_inert.py"],
@@ -152,11 +153,12 @@ def lint(session: nox.Session) -> None:
     sync(session, "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")  # the package, as pyproject.toml's [tool.mypy] says
 
 
 @nox.session
 def policy(session: nox.Session) -> None:
-    """releases.py, the README's tables, locks/ and patches/ agree (no vLLM)."""
+    """releases.py, docs/releases.md's tables, locks/ and patches/ agree (no vLLM)."""
     sync(session, "policy")
     install_checkout(session)
     session.run("pytest", "tests/test_policy.py", *session.posargs)
@@ -164,14 +166,14 @@ def policy(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Rewrite README.md's release tables from releases.py."""
+    """Rewrite docs/releases.md's tables from releases.py."""
     marker = re.compile(
         r"(<!-- releases:begin -->\n).*?(\n<!-- releases:end -->)", re.DOTALL
     )
-    readme = ROOT / "README.md"
-    tables = RELEASES["readme_tables"](patch_releases())
-    readme.write_text(marker.sub(rf"\g<1>{tables}\g<2>", readme.read_text()))
-    session.log("README.md: release tables regenerated")
+    page = ROOT / "docs" / "releases.md"
+    tables = RELEASES["release_tables"](patch_releases())
+    page.write_text(marker.sub(rf"\g<1>{tables}\g<2>", page.read_text()))
+    session.log("docs/releases.md: release tables regenerated")
 
 
 @nox.session

@@ -16,11 +16,16 @@ import os
 import sys
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
-PATCHED_METHODS = {
+CONNECTOR_METHODS = {
+    "start_load_kv": "DecodeBenchConnector",
+    "start_fill_kv": "DecodeBenchConnectorWorker",
     "_fill_blocks": "DecodeBenchConnectorWorker",
-    "register_kv_caches": "DecodeBenchConnector",
     "get_num_new_matched_tokens": "DecodeBenchConnectorScheduler",
+    "update_state_after_alloc": "DecodeBenchConnectorScheduler",
 }
+"""The methods a step and a scheduling go through; the overlay wraps
+``start_load_kv`` and the scheduler's two (the second up to 0.29), never the
+worker's."""
 
 
 def wrapper_count(function) -> int:
@@ -39,7 +44,7 @@ def connector_report(module=None) -> dict:
     # vLLM 0.31+ configures its logging only when an engine or the CLI starts.
     report["vllm_logging_configured"] = bool(logging.getLogger("vllm").handlers)
     if module is not None:
-        for method, owner in PATCHED_METHODS.items():
+        for method, owner in CONNECTOR_METHODS.items():
             report[method] = wrapper_count(getattr(module, owner).__dict__[method])
     package = sys.modules.get("vllm_kvfill_patch")
     if package is not None:
@@ -209,9 +214,10 @@ FOREIGN_PATCHES = {
 }
 
 
-def fill_blocks_behaviour() -> str:
-    """What the connector's _fill_blocks does to a list state cache right now:
-    'patched' (block rows only), 'upstream crash' or 'upstream whole'."""
+def step_behaviour() -> str:
+    """What the connector's step (``start_load_kv``) does to a list state
+    cache right now: 'patched' (block rows only), 'upstream crash' or
+    'upstream whole'."""
     import torch
 
     module = sys.modules[CONNECTOR_MODULE]
@@ -222,8 +228,14 @@ def fill_blocks_behaviour() -> str:
     worker.fill_mean, worker.fill_std = 1.0, 0.0
     worker._zero_fill_group_ids, worker._fp8_dtypes = set(), {}  # read from 0.30
     worker.vllm_config = _config_with_blocks(8)
+    connector = object.__new__(module.DecodeBenchConnector)
+    connector.connector_worker = worker
+    connector._vllm_config, connector._kv_cache_config = worker.vllm_config, None
+    connector._connector_metadata = module.DecodeBenchConnectorMetadata(
+        reqs_to_fill={"r": (([3],), 16)}
+    )
     try:
-        worker._fill_blocks(0, [3], 16)
+        connector.start_load_kv(None)
     except AttributeError:
         return "upstream crash"
     rows = state.ne(0).any(dim=1).nonzero().flatten().tolist()
@@ -244,7 +256,7 @@ def foreign_patch_report(foreign: str, steps: list[str]) -> dict:
     _import_connector()
     module = sys.modules[CONNECTOR_MODULE]
     if FOREIGN_PATCHES[foreign] is not None:
-        FOREIGN_PATCHES[foreign](module.DecodeBenchConnectorWorker, "_fill_blocks")
+        FOREIGN_PATCHES[foreign](module.DecodeBenchConnector, "start_load_kv")
     report: dict = {"raised": None, "after": []}
     try:
         for step in steps:
@@ -254,7 +266,7 @@ def foreign_patch_report(foreign: str, steps: list[str]) -> dict:
                     "step": step,
                     "decision": vllm_kvfill_patch.status().decision.value,
                     "reason": vllm_kvfill_patch.status().reason,
-                    "behaviour": fill_blocks_behaviour(),
+                    "behaviour": step_behaviour(),
                 }
             )
     except Exception as exc:  # noqa: BLE001 - the report says what raised

@@ -24,7 +24,7 @@ UPSTREAM_TEST_PATH = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
 """Upstream's own tests of the connector, in vLLM's source tree (the
 package is not imported here before the zygote starts: releases.py's copy
 is checked against these by tests/test_policy.py)."""
-BUILD_COMMAND = "python3 -m nox  (see README.md, 'Running the tests')"
+BUILD_COMMAND = "python3 -m nox  (see TESTING.md)"
 
 
 def run_fresh(
@@ -146,18 +146,35 @@ def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedPro
 
 def applied_reason(vllm_version: str) -> str:
     """Why the patch applies to this release, as upstream's code behaves there:
-    every release with the connector (0.11.1 - 0.33) has the last three."""
+    every release with the connector (0.11.1 - 0.33) has the kernel row, the
+    temporaries and the missing refill; up to 0.29 the prefix-hit blocks."""
     from vllm_kvfill_patch.releases import parse_release
 
     if parse_release(vllm_version) < (0, 24, 0):
         states = "_fill_blocks crashes on list/tuple (Mamba) caches"
     else:
         states = "_fill_blocks fills list/tuple state tensors whole"
-    return (
+    reason = (
         f"{states}; a kernel-split attention cache gets kernel row b, not "
         "block b; each request's fill builds a temporary the size of its region; "
         "a preempted request is not filled again (vLLM prefills it)"
     )
+    if parse_release(vllm_version) < (0, 30, 0):
+        reason += (
+            "; after a prefix-cache hit the cached blocks are filled, not the "
+            "request's own"
+        )
+    return reason
+
+
+def applied_parts(vllm_version: str) -> list[str]:
+    """The parts of the patch this release needs (``PatchStatus.parts``)."""
+    from vllm_kvfill_patch.releases import parse_release
+
+    parts = ["fill", "refill"]
+    if parse_release(vllm_version) < (0, 30, 0):
+        parts.append("prefix-hit")
+    return parts
 
 
 def decision_lines(report: dict, decision: str) -> int:

@@ -16,6 +16,7 @@ import torch
 
 import vllm_kvfill_patch
 from tests.children import wrapper_count
+from tests.helpers import overlay_reverted
 from tests.hybrid import (
     ATTENTION_DTYPE,
     ATTENTION_GROUP,
@@ -117,11 +118,20 @@ def test_each_layer_gets_its_own_groups_rows_and_nothing_else(
     )
 
 
-@behaviour
-def test_upstream_group_zero_map_is_replaced_by_the_real_groups(vllm_config_for):
-    pool = make_pool(NUM_BLOCKS)
-    connector = make_worker_connector(vllm_config_for(), pool)
-    assert connector.connector_worker.group_to_layers == {
+def test_the_fill_uses_the_real_groups_and_leaves_upstreams_map_alone(
+    vllm_config_for,
+):
+    from vllm_kvfill_patch.replacement import current_layout
+
+    with overlay_reverted():
+        upstream_map = make_worker_connector(
+            vllm_config_for(), make_pool(NUM_BLOCKS)
+        ).connector_worker.group_to_layers
+    connector = make_worker_connector(vllm_config_for(), make_pool(NUM_BLOCKS))
+    start_fill(connector, {"r": (([2], [3]), 16)})
+    worker = connector.connector_worker
+    assert worker.group_to_layers == upstream_map
+    assert current_layout(worker).group_to_layers == {
         ATTENTION_GROUP: [ATTENTION_LAYER],
         LINEAR_GROUP: [LINEAR_LAYER],
     }
@@ -329,10 +339,9 @@ def test_a_step_is_byte_identical_to_filling_request_by_request(vllm_config_for)
     by_step, by_request = make_pool(64), make_pool(64)
     by_request.raw.copy_(by_step.raw)
     start_fill(make_worker_connector(config, by_step), requests)
-    worker = make_worker_connector(config, by_request).connector_worker
-    for block_ids_per_group, num_tokens in requests.values():
-        for group_idx, block_ids in enumerate(block_ids_per_group):
-            worker._fill_blocks(group_idx, block_ids, num_tokens)
+    connector = make_worker_connector(config, by_request)
+    for req_id, request in requests.items():
+        start_fill(connector, {req_id: request})
     assert torch.equal(by_step.raw, by_request.raw)
 
 
@@ -367,9 +376,12 @@ def test_non_tensor_cache_warns_once_and_other_layers_still_fill(
 ):
     pool = make_pool(NUM_BLOCKS)
     pool.caches["model.layers.2.odd"] = {"not": "a tensor"}
-    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
-    connector.connector_worker.group_to_layers[ATTENTION_GROUP].append(
+    kv_cache_config = make_kv_cache_config(pool)
+    kv_cache_config.kv_cache_groups[ATTENTION_GROUP].layer_names.append(
         "model.layers.2.odd"
+    )
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=0.5), pool, kv_cache_config
     )
     before = pool.raw.clone()
     start_fill(connector, {"r1": (([1], [2]), 16)})
@@ -424,26 +436,20 @@ def test_an_out_of_range_mean_in_an_fp8_cache_is_its_largest_finite_value(
 def test_revert_restores_the_original_function_objects():
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
         DecodeBenchConnector,
-        DecodeBenchConnectorWorker,
     )
 
-    patched_fill = DecodeBenchConnectorWorker.__dict__["_fill_blocks"]
-    original_fill = patched_fill.__wrapped__
-    original_register = DecodeBenchConnector.__dict__["register_kv_caches"].__wrapped__
+    original_load = DecodeBenchConnector.__dict__["start_load_kv"].__wrapped__
     assert vllm_kvfill_patch.revert().decision is Decision.REVERTED
-    assert DecodeBenchConnectorWorker.__dict__["_fill_blocks"] is original_fill
-    assert DecodeBenchConnector.__dict__["register_kv_caches"] is original_register
+    assert DecodeBenchConnector.__dict__["start_load_kv"] is original_load
     assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
-    assert (
-        DecodeBenchConnectorWorker.__dict__["_fill_blocks"].__wrapped__ is original_fill
-    )
+    assert DecodeBenchConnector.__dict__["start_load_kv"].__wrapped__ is original_load
 
 
 def test_apply_from_eight_threads_installs_one_wrapper():
     import threading
 
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-        DecodeBenchConnectorWorker,
+        DecodeBenchConnector,
     )
 
     vllm_kvfill_patch.revert()
@@ -458,7 +464,7 @@ def test_apply_from_eight_threads_installs_one_wrapper():
         thread.start()
     for thread in threads:
         thread.join()
-    assert wrapper_count(DecodeBenchConnectorWorker.__dict__["_fill_blocks"]) == 1
+    assert wrapper_count(DecodeBenchConnector.__dict__["start_load_kv"]) == 1
     assert vllm_kvfill_patch.status().decision is Decision.APPLIED
 
 

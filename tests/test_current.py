@@ -412,7 +412,7 @@ def test_list_state_cache_upstream_fills_whole_the_fix_its_rows(
 
 
 def test_scheduler_side_and_loaded_group_ids_stay_upstreams(vllm_config_for):
-    """The overlay wraps only the worker side's fill and registration."""
+    """The overlay wraps only the worker side's step and fill."""
     from tests.children import wrapper_count
 
     vllm_config_for()  # loads vLLM's plugins, this package's among them
@@ -430,5 +430,5 @@ def test_scheduler_side_and_loaded_group_ids_stay_upstreams(vllm_config_for):
         if method is not None:
             assert wrapper_count(method) == 0, name
     # Where the overlay does wrap, the same check sees it.
-    registration = module.DecodeBenchConnector.__dict__["register_kv_caches"]
-    assert wrapper_count(registration) == 1
+    load = module.DecodeBenchConnector.__dict__["start_load_kv"]
+    assert wrapper_count(load) == 1

@@ -103,15 +103,22 @@ def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_ve
 
 def test_overlay_stays_out_of_a_patched_connector(patched_connector, vllm_version):
     report = run_fresh(children.patched_file_report, str(patched_connector))
-    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert (
+        report["start_fill_kv"]
+        == report["_fill_blocks"]
+        == report["start_load_kv"]
+        == 0
+    )
     assert report["get_num_new_matched_tokens"] == 0
+    assert report["update_state_after_alloc"] == 0
     # The probes find nothing to fix in the patched file; the release is
     # expected to need the patch, so the reason says why it stays out.
     assert report["status"] == {
         "decision": "inert",
         "version": vllm_version,
         "reason": "upstream fills only the requested rows, once per step, in "
-        "place, and fills a preempted request again, although vLLM "
+        "place, fills a preempted request again, and fills after a prefix-cache "
+        "hit, although vLLM "
         f"{vllm_version} is expected to need the patch (a patched or fixed "
         "connector)",
         "parts": [],

@@ -1,6 +1,6 @@
 """releases.py is the one source of truth; everything else follows it.
 
-README.md's tables are generated from it, the nox matrix reads it, locks/ has a
+docs/releases.md's tables are generated from it, the nox matrix reads it, locks/ has a
 lock per environment it names, and every patch file targets a tested release.
 Each failure message names what to run or edit.
 """
@@ -18,20 +18,20 @@ from tests.helpers import ROOT
 from vllm_kvfill_patch import releases
 from vllm_kvfill_patch.releases import SUPPORT_POLICY, parse_release, policy_for
 
-README = ROOT / "README.md"
+RELEASES_PAGE = ROOT / "docs" / "releases.md"
 TABLES = re.compile(r"<!-- releases:begin -->\n(.*?)\n<!-- releases:end -->", re.DOTALL)
 REGENERATE = "python3 -m nox -s docs"
-DIFFER = "README.md's release tables differ from vllm_kvfill_patch/releases.py"
+DIFFER = "docs/releases.md's tables differ from vllm_kvfill_patch/releases.py"
 EDIT = "edit releases.py (PUBLISHED, SUPPORT_POLICY, TESTED), then run " + REGENERATE
 
 
-def drift(readme_text: str, patch_releases: list[str], locks: set[str]) -> list[str]:
+def drift(page_text: str, patch_releases: list[str], locks: set[str]) -> list[str]:
     """Every disagreement with releases.py, each naming its fix."""
     problems = []
-    match = TABLES.search(readme_text)
+    match = TABLES.search(page_text)
     if not match:
-        problems.append("README.md has no <!-- releases:begin/end --> block")
-    elif match[1] != releases.readme_tables(patch_releases):
+        problems.append("docs/releases.md has no <!-- releases:begin/end --> block")
+    elif match[1] != releases.release_tables(patch_releases):
         problems.append(f"{DIFFER}: {EDIT}")
     for release in sorted(set(releases.TESTED) - locks):
         problems.append(
@@ -67,27 +67,31 @@ def locked_releases() -> set[str]:
     }
 
 
-def test_readme_locks_and_patches_follow_releases_py():
-    problems = drift(README.read_text(), noxfile.patch_releases(), locked_releases())
+def test_release_tables_locks_and_patches_follow_releases_py():
+    problems = drift(
+        RELEASES_PAGE.read_text(), noxfile.patch_releases(), locked_releases()
+    )
     assert not problems, "\n".join(problems)
 
 
 def test_a_release_added_in_one_place_only_is_named_with_the_fix(monkeypatch):
-    # A release in releases.py only: README and locks are behind.
+    # A release in releases.py only: the tables and locks are behind.
     monkeypatch.setitem(releases.TESTED, "0.34.0", "vllm")
     monkeypatch.setattr(releases, "PUBLISHED", [*releases.PUBLISHED, "0.34.0"])
-    problems = drift(README.read_text(), noxfile.patch_releases(), locked_releases())
+    problems = drift(
+        RELEASES_PAGE.read_text(), noxfile.patch_releases(), locked_releases()
+    )
     assert problems == [
         f"{DIFFER}: {EDIT}",
         "releases.TESTED has 0.34.0 but locks/connector-0.34.0.txt is missing: "
         "python3 -m nox -s lock -- connector-0.34.0",
     ]
     monkeypatch.undo()
-    # A release in the README only, and a lock and a patch without a release.
-    readme = README.read_text().replace(
+    # A release in the tables only, and a lock and a patch without a release.
+    page = RELEASES_PAGE.read_text().replace(
         "| 0.33.0 |", "| 0.34.0 | inert | tested: connector level |\n| 0.33.0 |"
     )
-    problems = drift(readme, ["0.34.0"], {*locked_releases(), "0.34.0"})
+    problems = drift(page, ["0.34.0"], {*locked_releases(), "0.34.0"})
     assert problems == [
         f"{DIFFER}: {EDIT}",
         "locks/connector-0.34.0.txt locks a release that releases.TESTED does not "

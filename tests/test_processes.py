@@ -13,6 +13,7 @@ import pytest
 
 from tests import children
 from tests.helpers import (
+    applied_parts,
     applied_reason,
     decision_lines,
     patches_by_release,
@@ -32,14 +33,20 @@ IMPORT_ORDERS = {
 @pytest.mark.parametrize("order", IMPORT_ORDERS)
 def test_import_order_matrix(order, vllm_version):
     report = run_fresh(children.run_steps, IMPORT_ORDERS[order])
-    assert report["_fill_blocks"] == 1 and report["register_kv_caches"] == 1
+    assert (
+        report["start_load_kv"] == 1
+        and report["start_fill_kv"] == report["_fill_blocks"] == 0
+    )
     assert report["status"] == {
         "decision": "applied",
         "reason": applied_reason(vllm_version),
         "version": vllm_version,
-        "parts": ["fill", "refill"],
+        "parts": applied_parts(vllm_version),
     }
     assert report["get_num_new_matched_tokens"] == 1
+    assert report["update_state_after_alloc"] == int(
+        "prefix-hit" in applied_parts(vllm_version)
+    )
     # One decision line per process; revert and re-apply each log their change.
     # An INFO line before vLLM configures its logging goes nowhere, as vLLM's
     # own; each worker says it again at registration (test_engine.py).
@@ -59,18 +66,30 @@ def test_revert_leaves_upstream_methods_in_a_fresh_interpreter():
     report = run_fresh(
         children.run_steps, ["import connector", "import package", "revert"]
     )
-    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert (
+        report["start_fill_kv"]
+        == report["_fill_blocks"]
+        == report["start_load_kv"]
+        == 0
+    )
     assert report["get_num_new_matched_tokens"] == 0
+    assert report["update_state_after_alloc"] == 0
     assert report["status"]["decision"] == "reverted"
     assert report["status"]["reason"] == "reverted by revert()"
 
 
-def test_spawned_child_is_patched_through_the_entry_point():
+def test_spawned_child_is_patched_through_the_entry_point(vllm_version):
     report = run_fresh(children.spawned_child_report)
     assert report["imported_before_plugins"] is False
     assert report["parent_imported"] is False
-    assert report["_fill_blocks"] == 1 and report["register_kv_caches"] == 1
+    assert (
+        report["start_load_kv"] == 1
+        and report["start_fill_kv"] == report["_fill_blocks"] == 0
+    )
     assert report["get_num_new_matched_tokens"] == 1
+    assert report["update_state_after_alloc"] == int(
+        "prefix-hit" in applied_parts(vllm_version)
+    )
     assert report["status"]["decision"] == "applied"
     assert report["exitcode"] == 0
 
@@ -87,8 +106,10 @@ def test_refill_switched_off_leaves_the_scheduler_side_to_upstream(vllm_version)
         ["import package", "load plugins", "import connector"],
         env={"KVFILL_PATCH_REFILL": "0"},
     )
-    assert report["_fill_blocks"] == 1 and report["get_num_new_matched_tokens"] == 0
-    assert report["status"]["parts"] == ["fill"]
+    assert report["start_load_kv"] == 1 and report["get_num_new_matched_tokens"] == 0
+    assert report["status"]["parts"] == [
+        part for part in applied_parts(vllm_version) if part != "refill"
+    ]
     assert report["status"]["reason"] == (
         applied_reason(vllm_version) + " (refill left out: KVFILL_PATCH_REFILL=0)"
     )
@@ -100,8 +121,14 @@ def test_kill_switch_leaves_vllm_untouched(case):
     report = run_fresh(
         children.run_steps, [*steps, "load plugins", "import connector"], env=env
     )
-    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert (
+        report["start_fill_kv"]
+        == report["_fill_blocks"]
+        == report["start_load_kv"]
+        == 0
+    )
     assert report["get_num_new_matched_tokens"] == 0
+    assert report["update_state_after_alloc"] == 0
     assert report["status"]["decision"] == "disabled"
     assert report["status"]["reason"] == "KVFILL_PATCH_DISABLE is set"
     expected_lines = 1 if report["vllm_logging_configured"] else 0
@@ -127,8 +154,14 @@ UNKNOWN_TARGET_REASONS = {
 @pytest.mark.parametrize("target", UNKNOWN_TARGET_REASONS)
 def test_unknown_target_is_refused_logged_and_vllm_still_imports(target):
     report = run_fresh(children.unknown_target_report, target)
-    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert (
+        report["start_fill_kv"]
+        == report["_fill_blocks"]
+        == report["start_load_kv"]
+        == 0
+    )
     assert report["get_num_new_matched_tokens"] == 0
+    assert report["update_state_after_alloc"] == 0
     assert report["status"]["decision"] == "refused"
     assert report["status"]["reason"] == UNKNOWN_TARGET_REASONS[target]
     assert decision_lines(report, "refused") == 1
@@ -136,8 +169,14 @@ def test_unknown_target_is_refused_logged_and_vllm_still_imports(target):
 
 def test_a_failing_hook_is_contained_and_the_import_succeeds():
     report = run_fresh(children.failing_hook_report)
-    assert report["_fill_blocks"] == report["register_kv_caches"] == 0
+    assert (
+        report["start_fill_kv"]
+        == report["_fill_blocks"]
+        == report["start_load_kv"]
+        == 0
+    )
     assert report["get_num_new_matched_tokens"] == 0
+    assert report["update_state_after_alloc"] == 0
     assert report["status"]["decision"] == "refused"
     assert report["status"]["reason"] == "installing failed: RuntimeError: boom"
 
@@ -169,7 +208,7 @@ def test_revert_and_apply_hold_under_another_patch(foreign, vllm_version):
         # passing calls through, and the status says so.
         stuck = (
             "; another library's plain wrapper sits above ours on "
-            "DecodeBenchConnectorWorker._fill_blocks: ours stays in place and "
+            "DecodeBenchConnector.start_load_kv: ours stays in place and "
             "passes every call through"
         )
         assert steps["revert0"]["reason"] == "reverted by revert()" + stuck

@@ -13,8 +13,9 @@ import inspect
 import pytest
 
 import vllm_kvfill_patch
-from tests.helpers import overlay_reverted
+from tests.helpers import applied_parts, overlay_reverted
 from tests.hybrid import BLOCK_SIZE, kv_cache_tensor
+from vllm_kvfill_patch.releases import parse_release
 
 behaviour = pytest.mark.behaviour
 pytestmark = pytest.mark.usefixtures("implementation")
@@ -130,7 +131,35 @@ def test_a_resumed_request_after_a_prefix_cache_hit_fills_the_rest(connector):
     generate_and_preempt(request)
     matched, fills = schedule(connector, request, 20, num_computed_tokens=BLOCK_SIZE)
     assert matched == PROMPT + GENERATED - 1 - BLOCK_SIZE
-    assert list(fills) == ["r"]
+    # Blocks 20 .. 22 hold its 43 tokens; 20 is the hit.
+    assert fills == {"r": (([21, 22],), matched)}
+
+
+@behaviour
+@pytest.mark.parametrize("hit_blocks", [1, 2])
+def test_after_a_prefix_cache_hit_the_blocks_after_it_are_filled(connector, hit_blocks):
+    request = make_request("r")  # 40 tokens: blocks 1 .. 3
+    hit_tokens = hit_blocks * BLOCK_SIZE
+    matched, fills = schedule(connector, request, 1, num_computed_tokens=hit_tokens)
+    assert matched == PROMPT - 1 - hit_tokens
+    assert fills == {"r": ((list(range(1 + hit_blocks, 4)),), matched)}
+
+
+@behaviour
+def test_null_blocks_are_never_recorded(connector):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    request = make_request("r")
+    matched, _ = connector.get_num_new_matched_tokens(request, 0)
+    # A sliding window's or a Mamba group's padding: vLLM's null block 0.
+    null = KVCacheBlock(0)
+    null.is_null = True
+    blocks = KVCacheBlocks(([null, KVCacheBlock(5), KVCacheBlock(6)],))
+    connector.update_state_after_alloc(request, blocks, matched)
+    assert connector.build_connector_meta(None).reqs_to_fill == {
+        "r": (([5, 6],), matched)
+    }
 
 
 @behaviour
@@ -192,6 +221,22 @@ def test_upstream_prefills_a_resumed_request_and_the_overlay_does_not(connector)
     assert results["overlay"][0] == PROMPT + GENERATED - 1
 
 
+def test_upstream_up_to_0_29_fills_the_hit_and_the_overlay_does_not(
+    connector, vllm_version
+):
+    def hit_one_block(name):
+        request = make_request(name)
+        return schedule(connector, request, 1, num_computed_tokens=BLOCK_SIZE)
+
+    results = upstream_and_overlay(hit_one_block)
+    matched = PROMPT - 1 - BLOCK_SIZE
+    assert results["overlay"] == (matched, {"overlay": (([2, 3],), matched)})
+    if parse_release(vllm_version) < (0, 30, 0):
+        assert results["upstream"] == (matched, {"upstream": (([1, 2],), matched)})
+    else:  # #54878
+        assert results["upstream"] == (matched, {"upstream": (([2, 3],), matched)})
+
+
 def test_a_never_filled_request_is_handled_as_upstream_handles_it(connector):
     def resume_unfilled(name):
         request = make_request(f"{name}-one-token", prompt_len=1)
@@ -204,5 +249,5 @@ def test_a_never_filled_request_is_handled_as_upstream_handles_it(connector):
     assert results["overlay"] == results["upstream"]
 
 
-def test_status_names_the_active_parts():
-    assert vllm_kvfill_patch.status().parts == ("fill", "refill")
+def test_status_names_the_active_parts(vllm_version):
+    assert list(vllm_kvfill_patch.status().parts) == applied_parts(vllm_version)

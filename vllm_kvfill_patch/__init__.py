@@ -33,7 +33,14 @@ from typing import Any
 
 import wrapt
 
-from vllm_kvfill_patch.gating import CONNECTOR_MODULE, FILL, REFILL, Decision, judge
+from vllm_kvfill_patch.gating import (
+    CONNECTOR_MODULE,
+    FILL,
+    PREFIX_HIT,
+    REFILL,
+    Decision,
+    judge,
+)
 
 __all__ = [
     "Decision",
@@ -66,7 +73,8 @@ class PatchStatus:
     reason: str
     parts: tuple[str, ...] = ()
     """The parts of the patch active in this process: "fill" (worker side,
-    ``replacement``), "refill" (scheduler side, ``refill``)."""
+    ``replacement``), "refill" and "prefix-hit" (scheduler side, ``refill``,
+    ``prefix_hit``)."""
 
 
 @dataclass
@@ -195,7 +203,7 @@ def _on_connector_import(module: ModuleType) -> None:
             leftover = ""
             try:
                 leftover = _uninstall(module)
-            except Exception:  # noqa: BLE001, S110 - reported just below
+            except Exception:  # noqa: BLE001 - reported just below
                 leftover = "; a wrapper may be left in place, passing calls through"
             _decide(
                 Decision.REFUSED,
@@ -205,9 +213,13 @@ def _on_connector_import(module: ModuleType) -> None:
 
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
     # Imported here: they import vLLM's logger, and vLLM is loaded by now.
-    from vllm_kvfill_patch import refill, replacement
+    from vllm_kvfill_patch import prefix_hit, refill, replacement
 
-    wrappers = {FILL: replacement.WRAPPERS, REFILL: refill.WRAPPERS}
+    wrappers: dict[str, dict[str, Any]] = {
+        FILL: replacement.WRAPPERS,
+        REFILL: refill.WRAPPERS,
+        PREFIX_HIT: prefix_hit.WRAPPERS,
+    }
     for part in parts:
         for path, wrapper in wrappers[part].items():
             _installer.handles[path] = wrapt.wrap_function_wrapper(

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -137,9 +138,8 @@ def cases() -> list[Case]:
 def upstream_method(name: str) -> tuple[type, Callable]:
     """The installed vLLM's worker class and its original method `name`.
 
-    Upstream's own function, under any wrapper of ours: within it, calls to
-    other methods (start_fill_kv calls self._fill_blocks) would reach our
-    wrappers, so the patch is reverted while upstream is measured.
+    Upstream's own function, under any other package's wrapper (ours wraps
+    only the connector's ``start_load_kv``).
     """
     import importlib
 
@@ -148,14 +148,15 @@ def upstream_method(name: str) -> tuple[type, Callable]:
     return worker_cls, upstream_function(worker_cls, name)
 
 
-def one_layer_worker(worker_cls: type, cache, case: Case, mean: float):
-    from vllm_kvfill_patch.replacement import LAYOUT_ATTR, CacheLayout
+def one_layer_worker(
+    worker_cls: type, cache: torch.Tensor, case: Case, mean: float
+) -> tuple[Any, Any]:
+    from vllm_kvfill_patch.replacement import layout_from
 
     worker = bare_worker(
         worker_cls, {"layer": cache}, {0: ["layer"]}, case.num_blocks, mean, case.std
     )
-    setattr(worker, LAYOUT_ATTR, CacheLayout(case.num_blocks, None))
-    return worker
+    return worker, layout_from(worker.vllm_config.cache_config, None, worker)
 
 
 def measure(
@@ -203,7 +204,7 @@ def peak_allocated(call: Callable[[], None], device: torch.device) -> int:
 
 def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dict:
     worker_cls, upstream = upstream_method("_fill_blocks")
-    from vllm_kvfill_patch.replacement import fill_blocks
+    from vllm_kvfill_patch.replacement import fill_group
 
     limit_buffer = torch.empty(case.filled_bytes, dtype=torch.uint8, device=device)
     limit_view = limit_buffer.view(case.dtype)
@@ -215,7 +216,7 @@ def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dic
             limit_view.fill_(mean)
 
     cache = case.make_cache(device)
-    worker = one_layer_worker(worker_cls, cache, case, mean)
+    worker, layout = one_layer_worker(worker_cls, cache, case, mean)
     tokens = 16 * len(case.block_ids)
     result = {
         "limit": measure(limit, device, repeats),
@@ -223,7 +224,7 @@ def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dic
             lambda: upstream(worker, 0, case.block_ids, tokens), device, repeats
         ),
         "overlay": measure(
-            lambda: fill_blocks(None, worker, (0, case.block_ids, tokens), {}),
+            lambda: fill_group(worker, layout, 0, case.block_ids),
             device,
             repeats,
         ),
@@ -283,15 +284,18 @@ UPSTREAM_MAX_REQUESTS = 256
 with requests x pool, and at 1024 requests would take minutes."""
 
 
-def step_worker(worker_cls: type, requests: int, device: torch.device, mean: float):
+def step_worker(
+    worker_cls: type, requests: int, device: torch.device, mean: float
+) -> tuple[Any, Any, dict]:
     """A worker holding the step's 48 layers over shared pools, and the step's
     metadata ``{req_id: (block_ids_per_group, num_tokens)}``."""
-    from vllm_kvfill_patch.replacement import LAYOUT_ATTR, CacheLayout
+    from vllm_kvfill_patch.replacement import layout_from
 
     blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
     num_blocks = 1 + requests * blocks_per_request
     page_floats = STEP_PAGE_BYTES // 4
-    caches, groups = {}, {g: [] for g in range(1 + STEP_LINEAR_GROUPS)}
+    caches: dict[str, Any] = {}
+    groups: dict[int, list[str]] = {g: [] for g in range(1 + STEP_LINEAR_GROUPS)}
     for slot in range(STEP_ATTENTION_LAYERS):
         pool = torch.zeros(num_blocks * page_floats, device=device)
         attention = f"layers.{slot}.attn"
@@ -304,7 +308,7 @@ def step_worker(worker_cls: type, requests: int, device: torch.device, mean: flo
             caches[linear] = state_views(pool, num_blocks, STEP_STATES, page_floats)
             groups[group].append(linear)
     worker = bare_worker(worker_cls, caches, groups, num_blocks, mean)
-    setattr(worker, LAYOUT_ATTR, CacheLayout(num_blocks, None))
+    layout = layout_from(worker.vllm_config.cache_config, None, worker)
     # Blocks as the allocator hands them out: interleaved between requests.
     order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
     free = (order + 1).tolist()
@@ -315,10 +319,10 @@ def step_worker(worker_cls: type, requests: int, device: torch.device, mean: flo
             [ids[STEP_ATTENTION_BLOCKS + g]] for g in range(STEP_LINEAR_GROUPS)
         ]
         reqs[f"r{r}"] = (tuple(per_group), 16 * STEP_ATTENTION_BLOCKS)
-    return worker, reqs
+    return worker, layout, reqs
 
 
-def step_limit(worker, reqs: dict, mean: float) -> Callable[[], None]:
+def step_limit(worker: Any, reqs: dict, mean: float) -> Callable[[], None]:
     """In-place fills of the same rows, the index prebuilt per tensor."""
     by_group: dict[int, list[int]] = {}
     for block_ids_per_group, _ in reqs.values():
@@ -364,11 +368,11 @@ def step_row(
     mean: float,
     series: ModuleType | None,
 ) -> str:
-    from vllm_kvfill_patch.replacement import fill_blocks, fill_step
+    from vllm_kvfill_patch.replacement import fill_group, fill_step
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
-    worker, reqs = step_worker(worker_cls, requests, device, mean)
+    worker, layout, reqs = step_worker(worker_cls, requests, device, mean)
     metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
     filled_bytes = (
         requests
@@ -380,37 +384,34 @@ def step_row(
     )
 
     def per_request():
-        for block_ids_per_group, tokens in reqs.values():
+        for block_ids_per_group, _tokens in reqs.values():
             for g, ids in enumerate(block_ids_per_group):
-                fill_blocks(None, worker, (g, ids, tokens), {})
+                fill_group(worker, layout, g, ids)
 
     limit = measure(step_limit(worker, reqs, mean), device, repeats, peak=False)
-    step = measure(
-        lambda: fill_step(None, worker, (metadata,), {}), device, repeats, peak=False
-    )
+    step = measure(lambda: fill_step(worker, layout, reqs), device, repeats, peak=False)
     by_request = measure(per_request, device, max(1, repeats // 4), peak=False)
     upstream = Measured(None, None, "not run")
     if requests <= UPSTREAM_MAX_REQUESTS:
-        vllm_kvfill_patch.revert()  # upstream's step calls self._fill_blocks
         upstream = measure(
             lambda: upstream_fill_kv(worker, metadata),
             device,
             1 if requests > 16 else repeats,
             peak=False,
         )
-        vllm_kvfill_patch.apply()
-    vs_upstream = "-" if upstream.seconds is None else upstream.seconds / step.seconds
+    limit_s, step_s, by_request_s = (seconds(m) for m in (limit, step, by_request))
+    vs_upstream = "-" if upstream.seconds is None else upstream.seconds / step_s
     cells = [
         str(requests),
         f"{requests * len(worker.kv_caches):,}",
         f"{filled_bytes / MIB:.1f}",
-        f"{limit.seconds * 1e3:.2f}",
+        f"{limit_s * 1e3:.2f}",
         _ms(upstream),
-        f"{by_request.seconds * 1e3:.2f}",
-        f"{step.seconds * 1e3:.2f}",
-        f"{step.seconds / limit.seconds:.2f}x",
+        f"{by_request_s * 1e3:.2f}",
+        f"{step_s * 1e3:.2f}",
+        f"{step_s / limit_s:.2f}x",
         vs_upstream if vs_upstream == "-" else f"{vs_upstream:.0f}x",
-        f"{(step.seconds - limit.seconds) / requests * 1e6:.1f}",
+        f"{(step_s - limit_s) / requests * 1e6:.1f}",
     ]
     if series is not None:
         # The patched file's own step, on a worker of its class over the
@@ -430,8 +431,8 @@ def step_row(
             peak=False,
         )
         cells += [
-            f"{patched.seconds * 1e3:.2f}",
-            f"{patched.seconds / limit.seconds:.2f}x",
+            f"{seconds(patched) * 1e3:.2f}",
+            f"{seconds(patched) / limit_s:.2f}x",
         ]
     return "| " + " | ".join(cells) + " |"
 
@@ -441,10 +442,19 @@ def load_module_file(name: str, path: str | None) -> ModuleType | None:
     if path is None:
         return None
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def seconds(m: Measured) -> float:
+    """`m`'s time; a measurement that failed stops the table with its error."""
+    if m.seconds is None:
+        raise RuntimeError(f"a measurement failed: {m.error}")
+    return m.seconds
 
 
 def _ms(m: Measured) -> str:

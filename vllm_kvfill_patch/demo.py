@@ -18,8 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from vllm_kvfill_patch import KILL_SWITCH
+from typing import Any
 
 TINY_QWEN3_NEXT = {
     "architectures": ["Qwen3NextForCausalLM"],
@@ -66,7 +65,7 @@ def write_tiny_model(directory: Path) -> Path:
     return directory
 
 
-def engine_arguments(model_dir: Path, **overrides) -> dict:
+def engine_arguments(model_dir: Path, **overrides: Any) -> dict:
     """`LLM(...)` arguments for the tiny model with DecodeBenchConnector."""
     return {
         "model": str(model_dir),
@@ -99,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.no_overlay:
+        from vllm_kvfill_patch import KILL_SWITCH
+
         os.environ[KILL_SWITCH] = "1"
     # In process, so the worker's failure surfaces here as one exception.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 decoded = sum(len(o.outputs[0].token_ids) for o in outputs)
                 print(f"{context_length:>8} {args.batch:>6} {decoded / elapsed:>13.1f}")
         except Exception as exc:  # noqa: BLE001 - reported in one line
-            root = exc
+            root: BaseException = exc
             while root.__cause__ is not None:
                 root = root.__cause__
             print(f"DecodeBenchConnector failed: {type(root).__name__}: {root}")

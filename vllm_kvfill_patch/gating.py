@@ -12,6 +12,7 @@ import enum
 import inspect
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 from vllm_kvfill_patch.releases import APPLIED, policy_for
 
@@ -24,6 +25,9 @@ FILL = "fill"
 """The worker-side part: fill by block, once per step (``replacement``)."""
 REFILL = "refill"
 """The scheduler-side part: fill a preempted request again (``refill``)."""
+PREFIX_HIT = "prefix-hit"
+"""The scheduler-side part: fill the blocks after a prefix-cache hit
+(``prefix_hit``)."""
 
 
 class Decision(str, enum.Enum):
@@ -45,10 +49,10 @@ class Verdict:
     """The parts of the patch this connector needs (FILL, REFILL)."""
 
 
-def judge(module: ModuleType, vllm_version: str) -> Verdict:
+def judge(module: ModuleType, vllm_version: str | None) -> Verdict:
     """What to do with the loaded connector module of vLLM `vllm_version`."""
     structural = _judge_structure(module)
-    policy = policy_for(vllm_version)
+    policy = policy_for(vllm_version) if vllm_version else None
     if structural.decision is Decision.REFUSED or policy is None:
         return structural
     if structural.decision is Decision.INERT and policy.decision == APPLIED:
@@ -69,14 +73,14 @@ def judge(module: ModuleType, vllm_version: str) -> Verdict:
 
 
 def _judge_structure(module: ModuleType) -> Verdict:
-    worker_cls = getattr(module, "DecodeBenchConnectorWorker", None)
+    worker_cls: Any = getattr(module, "DecodeBenchConnectorWorker", None)
     connector_cls = getattr(module, "DecodeBenchConnector", None)
     fill_blocks = getattr(worker_cls, "_fill_blocks", None)
-    if fill_blocks is None or not hasattr(connector_cls, "register_kv_caches"):
+    if fill_blocks is None or not hasattr(connector_cls, "start_load_kv"):
         return Verdict(
             Decision.REFUSED,
             "expected DecodeBenchConnectorWorker._fill_blocks and "
-            "DecodeBenchConnector.register_kv_caches; found "
+            "DecodeBenchConnector.start_load_kv; found "
             f"worker={worker_cls!r}, _fill_blocks={fill_blocks!r}, "
             f"connector={connector_cls!r}",
         )
@@ -128,6 +132,7 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
             if found
         ]
         refill = _probe_refill(module.DecodeBenchConnectorScheduler)
+        prefix_hit = _probe_prefix_hit(module.DecodeBenchConnectorScheduler)
     except Exception as exc:  # noqa: BLE001 - any failure means "unknown"
         return Verdict(
             Decision.REFUSED,
@@ -140,15 +145,21 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
             "expected _fill_blocks to crash on, or fill, a list state cache; "
             "it wrote nothing",
         )
-    parts = ((FILL,) if defects else ()) + ((REFILL,) if refill else ())
+    parts = (
+        ((FILL,) if defects else ())
+        + ((REFILL,) if refill else ())
+        + ((PREFIX_HIT,) if prefix_hit else ())
+    )
     if not parts:
         return Verdict(
             Decision.INERT,
             "upstream fills only the requested rows, once per step, in place, "
-            "and fills a preempted request again",
+            "fills a preempted request again, and fills after a prefix-cache hit",
         )
     if refill:
         defects.append(DEFECTS["no_refill"])
+    if prefix_hit:
+        defects.append(DEFECTS["hit_blocks"])
     return Verdict(Decision.APPLIED, "; ".join(defects), parts)
 
 
@@ -158,6 +169,8 @@ DEFECTS = {
     "kernel_row": "a kernel-split attention cache gets kernel row b, not block b",
     "temporaries": "each request's fill builds a temporary the size of its region",
     "no_refill": "a preempted request is not filled again (vLLM prefills it)",
+    "hit_blocks": "after a prefix-cache hit the cached blocks are filled, not the "
+    "request's own",
 }
 """What a probe can find wrong, as the status reason says it."""
 
@@ -169,10 +182,10 @@ def bare_worker(
     num_blocks: int,
     fill_mean: float,
     fill_std: float = 0.0,
-):
+) -> Any:
     """A worker with only what upstream's fill methods read, in every known
     release and in patches/v0.33.0; no vLLM config needed."""
-    worker = object.__new__(worker_cls)
+    worker: Any = object.__new__(worker_cls)
     worker.kv_caches = kv_caches
     worker.group_to_layers = group_to_layers
     worker.fill_mean = fill_mean
@@ -253,7 +266,7 @@ def _probe_refill(scheduler_cls: type) -> bool:
     tokens when it comes back preempted (so vLLM would prefill it for real)."""
     from vllm.v1.request import RequestStatus
 
-    scheduler = object.__new__(scheduler_cls)
+    scheduler: Any = object.__new__(scheduler_cls)
     scheduler._filled_requests, scheduler._pending_fills = {"probe"}, {}
     request = SimpleNamespace(
         request_id="probe",
@@ -269,7 +282,30 @@ def _probe_refill(scheduler_cls: type) -> bool:
     return num_tokens == 0
 
 
-def upstream_function(cls: type, name: str):
+def _probe_prefix_hit(scheduler_cls: type) -> bool:
+    """Whether, after a one-block prefix-cache hit, upstream records the hit
+    block (the first blocks) rather than the blocks after it."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    scheduler: Any = object.__new__(scheduler_cls)
+    scheduler._filled_requests, scheduler._pending_fills = set(), {}
+    scheduler.block_size = 2  # up to 0.29
+    scheduler.kv_cache_groups = [SimpleNamespace(kv_cache_spec=None)]  # 0.30+
+    scheduler.group_block_sizes, scheduler._startup_fill_group_ids = (2,), set()
+    scheduler.startup_fill = False
+    # 7 tokens: 6 to have computed, 2 of them (block 4) hit, 4 matched.
+    request = SimpleNamespace(request_id="probe", num_tokens=7)
+    blocks = KVCacheBlocks(([KVCacheBlock(block_id) for block_id in (4, 5, 6, 7)],))
+    record = upstream_function(scheduler_cls, "update_state_after_alloc")
+    record(scheduler, request, blocks, 4)
+    (recorded,), _ = scheduler._pending_fills["probe"]
+    if recorded not in ([4, 5], [5, 6]):
+        raise ValueError(f"expected blocks [4, 5] or [5, 6], got {recorded}")
+    return recorded == [4, 5]
+
+
+def upstream_function(cls: type, name: str) -> Any:
     """Upstream's function under any wrapper (the probe runs before ours is
     installed, but another package's may be there)."""
     import wrapt

@@ -2,9 +2,9 @@
 each is tested here. The one place to edit when vLLM publishes a release.
 
 Plain data and the standard library only: ``noxfile.py`` loads this file by
-path (outside any test environment), ``gating`` imports it. README.md's
+path (outside any test environment), ``gating`` imports it. docs/releases.md's
 release tables are generated from it (``python3 -m nox -s docs``), and
-``tests/test_policy.py`` fails, naming what to run, when the README, the lock
+``tests/test_policy.py`` fails, naming what to run, when docs/releases.md, the lock
 files in ``locks/`` or ``patches/`` disagree with it. CONTRIBUTING.md has the
 checklist for adding a release.
 """
@@ -49,7 +49,8 @@ SUPPORT_POLICY = (
         "_fill_blocks crashes on list/tuple (Mamba) caches; every layer is mapped "
         "to group 0; FlashAttention's (2, num_blocks, ...) cache is indexed on "
         "dim 0; kernel-split caches get kernel row b; a temporary the size of "
-        "each request's region; a preempted request is prefilled for real",
+        "each request's region; a preempted request is prefilled for real; after "
+        "a prefix-cache hit the cached blocks are filled, not the request's own",
     ),
     ReleaseRange(
         (0, 24, 0),
@@ -58,7 +59,8 @@ SUPPORT_POLICY = (
         "#45080 fills each state tensor whole (clobbering other requests); every "
         "layer is mapped to group 0; kernel-split caches get kernel row b; a "
         "temporary the size of each request's region; a preempted request is "
-        "prefilled for real",
+        "prefilled for real; after a prefix-cache hit the cached blocks are "
+        "filled, not the request's own",
     ),
     ReleaseRange(
         (0, 30, 0),
@@ -170,7 +172,10 @@ bytes."""
 def parse_release(version: str) -> Release | None:
     """`(major, minor, patch)` of a vLLM version string, or None."""
     match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    return tuple(int(part) for part in match.groups()) if match else None
+    if match is None:
+        return None
+    major, minor, patch = (int(part) for part in match.groups())
+    return major, minor, patch
 
 
 def policy_for(version: str) -> ReleaseRange | None:
@@ -180,8 +185,8 @@ def policy_for(version: str) -> ReleaseRange | None:
     return next(r for r in SUPPORT_POLICY if r.covers(release))
 
 
-def readme_tables(patch_releases: Iterable[str]) -> str:
-    """README.md's two release tables, generated (``python3 -m nox -s docs``)."""
+def release_tables(patch_releases: Iterable[str]) -> str:
+    """docs/releases.md's two tables, generated (``python3 -m nox -s docs``)."""
     patched = set(patch_releases)
     lines = ["| releases | decision | why |", "|---|---|---|"]
     for rng in SUPPORT_POLICY:
@@ -197,15 +202,24 @@ def readme_tables(patch_releases: Iterable[str]) -> str:
         if release in patched:
             tested.append("patch series (upstream's own tests)")
         status = "tested: " + ", ".join(tested) if tested else UNTESTED
-        lines.append(f"| {release} | {policy_for(release).decision} | {status} |")
+        lines.append(
+            f"| {release} | {_published_policy(release).decision} | {status} |"
+        )
     return "\n".join(lines)
+
+
+def _published_policy(release: str) -> ReleaseRange:
+    policy = policy_for(release)
+    assert policy is not None, f"PUBLISHED lists {release!r}, not a release"
+    return policy
 
 
 def _range_name(rng: ReleaseRange) -> str:
     first = ".".join(map(str, rng.first))
-    if rng.first == (0, 0, 0):
-        return "< " + ".".join(map(str, rng.end))
     if rng.end is None:
         return f">= {first}"
-    last = max(parse_release(r) for r in PUBLISHED if rng.covers(parse_release(r)))
+    if rng.first == (0, 0, 0):
+        return "< " + ".".join(map(str, rng.end))
+    published = [parse_release(r) for r in PUBLISHED]
+    last = max(r for r in published if r is not None and rng.covers(r))
     return f"{first} - {last[0]}.{last[1]}.x"

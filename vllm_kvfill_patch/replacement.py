@@ -2,11 +2,14 @@
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
-    ``DecodeBenchConnectorWorker.start_fill_kv`` is replaced by :func:`fill_step`
-    and ``DecodeBenchConnectorWorker._fill_blocks`` by :func:`fill_blocks`;
-    ``DecodeBenchConnector.register_kv_caches`` is wrapped by
-    :func:`register_kv_caches`, which runs upstream's method and then records
-    the cache layout and the real KV-cache groups on the worker.
+    ``DecodeBenchConnector.start_load_kv`` (the worker's step) is replaced by
+    :func:`load_step`, which fills the step's requests by block (:func:`fill_step`)
+    instead of calling the worker's ``start_fill_kv``. The worker's own
+    methods stay upstream's, so a step is entirely ours or entirely
+    upstream's, whenever the patch goes in or out. The cache layout and the
+    real KV-cache groups are taken from the connector at the first step
+    after each registration, so a patch applied after the caches were
+    registered, or again after ``revert()``, fills right.
 
 Why
     DecodeBenchConnector fills the KV cache with dummy values so decode can be
@@ -38,7 +41,7 @@ How
     comes from ``kv_cache_config.kv_cache_groups`` where upstream collapsed it
     to group 0; the block count from ``kv_cache_config.num_blocks``; each
     group's block size from its spec, to cross-check a kernel split. A step
-    (``start_fill_kv``) fills the union of its requests' block ids once per
+    fills the union of its requests' block ids once per
     group: the block set and its row index are built once and shared by
     every layer and state tensor of the group. What to write is upstream's
     decision where the release takes it per layer (0.30+, ``fill_value``):
@@ -55,7 +58,7 @@ Upstream
     Upstream's gates on them: ``tests/test_upstream.py``.
 
 Versions
-    Where ``releases.SUPPORT_POLICY`` says "applied" (the README's table,
+    Where ``releases.SUPPORT_POLICY`` says "applied" (docs/releases.md,
     generated from it): 0.11.1 - 0.33.x today. At run time the connector's
     structure and probes of upstream's own methods decide (``gating``), and
     the status reason names the defects found.
@@ -95,13 +98,52 @@ class CacheLayout:
     num_blocks: int | None
     encoding: torch.dtype | None
     """The dtype a uint8 cache's bytes encode (fp8 KV caches), if any."""
+    group_to_layers: dict[int, list[str]] = field(default_factory=dict)
+    """The layers of each KV-cache group; the real groups where upstream
+    maps every layer to group 0 (up to 0.29). The worker's own map is left
+    as upstream set it, so upstream's methods see their own state."""
     block_sizes: dict[int, int] = field(default_factory=dict)
     """Tokens per KV-manager block, by group: how a kernel-split attention
     cache's split ratio is cross-checked."""
+    kv_caches: dict | None = None
+    """The registration the layout was taken from: the worker's ``kv_caches``
+    at the time. Registering again replaces that dict, and the layout with it."""
 
 
-def fill_step(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
-    """Replacement for ``DecodeBenchConnectorWorker.start_fill_kv``.
+def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
+    """Replacement for ``DecodeBenchConnector.start_load_kv``, the worker's
+    step (upstream's calls ``connector_worker.start_fill_kv``, which calls
+    ``_fill_blocks`` per request and group; neither is patched, so a step
+    is all ours or all upstream's, whenever the patch goes in or out)."""
+    worker = getattr(connector, "connector_worker", None)
+    metadata: Any = getattr(connector, "_connector_metadata", None)
+    if worker is None or not hasattr(metadata, "reqs_to_fill"):
+        return wrapped(*args, **kwargs)  # upstream's own answer to misuse
+    if not metadata.reqs_to_fill:
+        return None
+    layout = current_layout(worker)
+    if layout is None:
+        layout = layout_from(
+            connector._vllm_config.cache_config,
+            getattr(connector, "_kv_cache_config", None),
+            worker,
+        )
+        setattr(worker, LAYOUT_ATTR, layout)
+        # At the first step, not when the patch is applied: vLLM 0.32+
+        # configures its logging only when the engine starts.
+        logger.info(
+            "vllm-kvfill-patch fills this worker's KV caches by block, once per "
+            "step: %d layers in %d KV-cache groups, %s blocks",
+            len(worker.kv_caches or {}),
+            len(layout.group_to_layers),
+            layout.num_blocks,
+        )
+    fill_step(worker, layout, metadata.reqs_to_fill)
+    return None
+
+
+def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:
+    """Fill a step's requests ``{req_id: (block_ids_per_group, num_tokens)}``.
 
     One fill per KV-cache group per scheduler step: the union of the group's
     block ids over every request the step admits, each layer and state
@@ -109,16 +151,12 @@ def fill_step(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
     request (ids are sets of rows), at a cost that does not grow with the
     number of requests beyond the rows themselves.
     """
-    metadata = _start_fill_kv_arguments(*args, **kwargs)
-    requests = metadata.reqs_to_fill
-    if not requests:
-        return
     block_ids_by_group: dict[int, list[int]] = {}
     for block_ids_per_group, _num_tokens in requests.values():
         for group_idx, block_ids in enumerate(block_ids_per_group):
             block_ids_by_group.setdefault(group_idx, []).extend(block_ids)
     for group_idx, block_ids in block_ids_by_group.items():
-        _fill_group(worker, group_idx, block_ids)
+        fill_group(worker, layout, group_idx, block_ids)
     logger.debug(
         "vllm-kvfill-patch: filled %d requests' blocks in %d groups in one step",
         len(requests),
@@ -126,21 +164,12 @@ def fill_step(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
     )
 
 
-def fill_blocks(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> None:
-    """Replacement for ``DecodeBenchConnectorWorker._fill_blocks`` (one
-    request's blocks of one group), for anyone who calls it directly."""
-    group_idx, block_ids = _fill_blocks_arguments(*args, **kwargs)
-    _fill_group(worker, group_idx, block_ids)
-
-
-def _fill_group(worker: Any, group_idx: int, block_ids: list[int]) -> None:
+def fill_group(
+    worker: Any, layout: CacheLayout, group_idx: int, block_ids: list[int]
+) -> None:
     """Fill `block_ids` in every layer of group `group_idx`, in place."""
-    if not block_ids or not worker.kv_caches or not worker.group_to_layers:
+    if not block_ids or not worker.kv_caches:
         return
-    layout = getattr(worker, LAYOUT_ATTR, None)
-    if layout is None:  # filled without register_kv_caches on the connector
-        vllm_config = getattr(worker, "vllm_config", None)  # kept up to 0.29
-        layout = layout_from(getattr(vllm_config, "cache_config", None), None)
     if layout.num_blocks is None:
         logger.warning_once(
             "vllm-kvfill-patch: the KV-cache block count is unknown (no "
@@ -151,7 +180,7 @@ def _fill_group(worker: Any, group_idx: int, block_ids: list[int]) -> None:
     if not blocks.runs:
         return
     block_size = layout.block_sizes.get(group_idx)
-    for layer_name in worker.group_to_layers.get(group_idx, []):
+    for layer_name in layout.group_to_layers.get(group_idx, []):
         cache = worker.kv_caches.get(layer_name)
         value = fill_value(worker, layout, group_idx, layer_name)
         if isinstance(cache, torch.Tensor):
@@ -188,39 +217,17 @@ def fill_value(
     return FillValue(worker.fill_mean, worker.fill_std, encoding)
 
 
-def register_kv_caches(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of ``DecodeBenchConnector.register_kv_caches``."""
-    result = wrapped(*args, **kwargs)
-    worker = getattr(connector, "connector_worker", None)
-    if worker is None:
-        return result
-    kv_cache_config = getattr(connector, "_kv_cache_config", None)
-    cache_config = connector._vllm_config.cache_config
-    setattr(worker, LAYOUT_ATTR, layout_from(cache_config, kv_cache_config))
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1 and set(worker.group_to_layers or {}) <= {0}:
-        worker.group_to_layers = {
-            group_idx: [name for name in group.layer_names if name in worker.kv_caches]
-            for group_idx, group in enumerate(groups)
-        }
-    # Said here as well as when the patch is applied: vLLM 0.32+ configures
-    # its logging only when the engine starts, so a plugin's earlier INFO
-    # line can be lost; by registration time it is configured.
-    from vllm_kvfill_patch import status  # the package imports this module
-
-    logger.info(
-        "vllm-kvfill-patch applied to this worker: %d layers in %d KV-cache "
-        "groups, %s blocks, filled by block once per step [parts: %s]",
-        len(worker.kv_caches or {}),
-        len(worker.group_to_layers or {}),
-        getattr(worker, LAYOUT_ATTR).num_blocks,
-        ", ".join(status().parts),
-    )
-    return result
+def current_layout(worker: Any) -> CacheLayout | None:
+    """The layout taken from the worker's current registration, if any."""
+    layout = getattr(worker, LAYOUT_ATTR, None)
+    if layout is None or layout.kv_caches is not worker.kv_caches:
+        return None
+    return layout
 
 
-def layout_from(cache_config: Any, kv_cache_config: Any) -> CacheLayout:
-    """The layout from the KV-cache config, else from vLLM's cache config.
+def layout_from(cache_config: Any, kv_cache_config: Any, worker: Any) -> CacheLayout:
+    """The layout of `worker`'s registered caches, from the KV-cache config,
+    else from vLLM's cache config.
 
     ``kv_cache_config.num_blocks`` is the count the worker allocated these very
     tensors with, so it wins; ``cache_config.num_gpu_blocks`` is the engine's
@@ -236,8 +243,20 @@ def layout_from(cache_config: Any, kv_cache_config: Any) -> CacheLayout:
         for group_idx, group in enumerate(groups)
         if isinstance(getattr(group.kv_cache_spec, "block_size", None), int)
     }
+    group_to_layers = dict(worker.group_to_layers or {})
+    if len(groups) > 1 and set(group_to_layers) <= {0}:
+        group_to_layers = {
+            group_idx: [name for name in group.layer_names if name in worker.kv_caches]
+            for group_idx, group in enumerate(groups)
+        }
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
-    return CacheLayout(num_blocks, fp8_encoding(cache_dtype), block_sizes)
+    return CacheLayout(
+        num_blocks,
+        fp8_encoding(cache_dtype),
+        group_to_layers,
+        block_sizes,
+        worker.kv_caches,
+    )
 
 
 def fp8_encoding(cache_dtype: str) -> torch.dtype | None:
@@ -247,22 +266,8 @@ def fp8_encoding(cache_dtype: str) -> torch.dtype | None:
     return torch.float8_e5m2 if "e5m2" in cache_dtype else torch.float8_e4m3fn
 
 
-WRAPPERS = {
-    "DecodeBenchConnectorWorker.start_fill_kv": fill_step,
-    "DecodeBenchConnectorWorker._fill_blocks": fill_blocks,
-    "DecodeBenchConnector.register_kv_caches": register_kv_caches,
-}
+WRAPPERS = {"DecodeBenchConnector.start_load_kv": load_step}
 """The attributes the patch wraps, by dotted path in the connector module."""
-
-
-def _start_fill_kv_arguments(metadata: Any) -> Any:
-    return metadata
-
-
-def _fill_blocks_arguments(
-    group_idx: int, block_ids: list[int], num_tokens: int = 0
-) -> tuple[int, list[int]]:
-    return group_idx, block_ids
 
 
 def _log_report(

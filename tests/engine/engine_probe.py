@@ -15,12 +15,14 @@ the model runs; needs ``in_process``), ``async_scheduling`` (vLLM's setting).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 
 def worker_report(worker=None) -> dict:
@@ -32,23 +34,34 @@ def worker_report(worker=None) -> dict:
     loaded_by_plugin = "vllm_kvfill_patch" in sys.modules
     import vllm_kvfill_patch
 
-    fill_blocks = decode_bench_connector.DecodeBenchConnectorWorker.__dict__[
-        "_fill_blocks"
-    ]
+    step = decode_bench_connector.DecodeBenchConnector.__dict__["start_load_kv"]
     return {
         "pid": os.getpid(),
         "package_loaded_before_this_call": loaded_by_plugin,
         "decision": vllm_kvfill_patch.status().decision.value,
-        "wrappers": wrapper_count(fill_blocks),
+        "parts": list(vllm_kvfill_patch.status().parts),
+        # Ours; the spy, where installed, wraps the same method above it.
+        "wrappers": wrapper_count(step) - len(SPIES),
     }
 
 
+SPIES: list = []
+"""The spy installed in this process, if any."""
+
+
 def install_spy(fills: list) -> None:
-    """An outermost wrapper on start_fill_kv (one scheduler step's fills)
-    comparing every cache before and after."""
+    """An outermost wrapper on the connector's step (``start_load_kv``)
+    comparing every cache before and after. What the step should fill comes
+    from vLLM's own KV-cache config, not from the patch."""
     import torch
     import wrapt
     from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+    from vllm.plugins import load_general_plugins
+
+    # vLLM's own plugins first, as LLM(...) would load them (this package's
+    # among them unless VLLM_PLUGINS leaves it out): the spy sits above
+    # whatever they wrap.
+    load_general_plugins()
 
     def tensors(cache):
         return list(cache) if isinstance(cache, (list, tuple)) else [cache]
@@ -64,11 +77,16 @@ def install_spy(fills: list) -> None:
         upstream (and so the overlay) fills with zeros."""
         return 0.015 if tensor.is_floating_point() else 0.0
 
-    def spy(wrapped, worker, args, kwargs):
-        requests = args[0].reqs_to_fill
+    def spy(wrapped, connector, args, kwargs):
+        requests = connector._connector_metadata.reqs_to_fill
         if not requests:
             return wrapped(*args, **kwargs)
-        num_blocks = worker._kvfill_layout.num_blocks
+        worker, kv_cache_config = connector.connector_worker, connector._kv_cache_config
+        num_blocks = kv_cache_config.num_blocks
+        layers_of = [
+            [name for name in group.layer_names if name in worker.kv_caches]
+            for group in kv_cache_config.kv_cache_groups
+        ]
         block_ids_by_group: dict = {}
         for block_ids_per_group, _ in requests.values():
             for group_idx, block_ids in enumerate(block_ids_per_group):
@@ -76,7 +94,7 @@ def install_spy(fills: list) -> None:
         # A sentinel in the rows about to be filled: a fill that writes what
         # was there already (zeros into fresh int8 Mamba pages) still shows.
         for group_idx, block_ids in block_ids_by_group.items():
-            for name in worker.group_to_layers[group_idx]:
+            for name in layers_of[group_idx]:
                 for t in tensors(worker.kv_caches[name]):
                     ratio = t.shape[0] // num_blocks
                     for b in block_ids:
@@ -98,7 +116,7 @@ def install_spy(fills: list) -> None:
         filled_values_ok = all(
             bool((by_block(t, num_blocks)[b].float() - expected(t)).abs().max() < 1e-3)
             for group_idx, block_ids in block_ids_by_group.items()
-            for name in worker.group_to_layers[group_idx]
+            for name in layers_of[group_idx]
             for t in tensors(worker.kv_caches[name])
             for b in block_ids
             if 0 < b < num_blocks
@@ -109,9 +127,7 @@ def install_spy(fills: list) -> None:
                 "block_ids_by_group": {
                     g: sorted(ids) for g, ids in block_ids_by_group.items()
                 },
-                "layers_by_group": {
-                    g: list(worker.group_to_layers[g]) for g in block_ids_by_group
-                },
+                "layers_by_group": {g: list(layers_of[g]) for g in block_ids_by_group},
                 "changed_rows": changed,
                 "kernel_split": split,
                 "filled_values_ok": filled_values_ok,
@@ -120,8 +136,9 @@ def install_spy(fills: list) -> None:
         return result
 
     wrapt.wrap_function_wrapper(
-        decode_bench_connector, "DecodeBenchConnectorWorker.start_fill_kv", spy
+        decode_bench_connector, "DecodeBenchConnector.start_load_kv", spy
     )
+    SPIES.append(spy)
     del torch
 
 
@@ -132,7 +149,7 @@ def record_schedules(path: str) -> None:
     import wrapt
     from vllm.v1.core.sched import scheduler
 
-    log = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process
+    log = open(path, "a", buffering=1)
     preempted: list[str] = []
 
     def on_preempt(wrapped, instance, args, kwargs):
@@ -165,27 +182,60 @@ def split_attention_kernel_blocks(kernel_block_size: int) -> None:
     )
 
 
+def demo_without_the_package() -> ModuleType:
+    """``vllm_kvfill_patch/demo.py`` (the tiny model, the engine arguments),
+    loaded from its file: importing it as a submodule would import the
+    package, and some scenarios import the package only after the build."""
+    package = importlib.util.find_spec("vllm_kvfill_patch")
+    assert package is not None and package.submodule_search_locations
+    path = Path(package.submodule_search_locations[0], "demo.py")
+    spec = importlib.util.spec_from_file_location("kvfill_demo_file", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_tiny_dense_model(directory: Path) -> Path:
+    """The tiny model's attention alone (Qwen3, two layers): a model whose
+    prompts hit the prefix cache. A hybrid model's do not under this
+    connector: its Mamba state is cached only where a real prefill stopped at
+    a block boundary, and the connector fills instead of prefilling."""
+    tiny_hybrid = demo_without_the_package().TINY_QWEN3_NEXT
+    kept = ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")
+    kept += ("num_key_value_heads", "vocab_size", "max_position_embeddings")
+    kept += ("rope_theta", "rms_norm_eps", "hidden_act", "torch_dtype")
+    config = {key: tiny_hybrid[key] for key in kept}
+    config.update(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 def main(options: dict) -> dict:
     # collective_rpc ships worker_report (a function) to worker processes.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if options.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if options.get("import_overlay"):
-        import vllm_kvfill_patch  # noqa: F401
+        import vllm_kvfill_patch
     from vllm import LLM, SamplingParams
 
-    from vllm_kvfill_patch.demo import engine_arguments, prompts, write_tiny_model
+    demo = demo_without_the_package()
+    engine_arguments, prompts = demo.engine_arguments, demo.prompts
 
     if options.get("kernel_block_size"):
         split_attention_kernel_blocks(options["kernel_block_size"])
     if options.get("schedule_log"):
         record_schedules(options["schedule_log"])
     fills: list = []
-    if options.get("spy"):
-        from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
-            decode_bench_connector,
-        )
-
+    import_after_build = options.get("import_after_build")
+    if options.get("spy") and not import_after_build:
         install_spy(fills)
     overrides = {}
     if options.get("in_process"):
@@ -194,6 +244,10 @@ def main(options: dict) -> dict:
     if preemption:
         overrides["num_gpu_blocks_override"] = preemption["num_gpu_blocks"]
         overrides["max_model_len"] = preemption["prompt"] + preemption["output"]
+    shared_prefix = options.get("shared_prefix")
+    if shared_prefix:
+        overrides["enable_prefix_caching"] = True
+        overrides["max_model_len"] = shared_prefix["prompt"] + 8
     if "async_scheduling" in options:
         overrides["async_scheduling"] = options["async_scheduling"]
     if options.get("tensor_parallel", 1) > 1:
@@ -201,20 +255,40 @@ def main(options: dict) -> dict:
         overrides["distributed_executor_backend"] = "mp"
     report: dict = {"fills": fills}
     with tempfile.TemporaryDirectory() as scratch:
-        model = write_tiny_model(Path(scratch) / "tiny-qwen3-next")
+        if shared_prefix:
+            model = write_tiny_dense_model(Path(scratch) / "tiny-qwen3")
+        else:
+            model = demo.write_tiny_model(Path(scratch) / "tiny-qwen3-next")
         llm = LLM(**engine_arguments(model, **overrides))
+        if import_after_build:
+            report["package_loaded_at_build"] = "vllm_kvfill_patch" in sys.modules
+            import vllm_kvfill_patch  # noqa: F401
+        if options.get("spy") and import_after_build:
+            install_spy(fills)
         report["workers"] = llm.collective_rpc(worker_report)
         batch = prompts(100, 3) + prompts(40, 2)
         max_tokens = 6
         if preemption:
             batch = prompts(preemption["prompt"], preemption["requests"])
             max_tokens = preemption["output"]
+        if shared_prefix:
+            # One request at a time, so the second finds the first's blocks
+            # cached: prompts sharing their first `prefix` tokens.
+            prefix = list(range(1, shared_prefix["prefix"] + 1))
+            tail = shared_prefix["prompt"] - len(prefix)
+            batch = [
+                {"prompt_token_ids": prefix + [seed + 100] * tail}
+                for seed in range(shared_prefix["requests"])
+            ]
         try:
-            outputs = llm.generate(
-                batch,
-                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                use_tqdm=False,
-            )
+            sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            if shared_prefix:
+                outputs = [
+                    llm.generate([prompt], sampling, use_tqdm=False)[0]
+                    for prompt in batch
+                ]
+            else:
+                outputs = llm.generate(batch, sampling, use_tqdm=False)
             report["generated"] = [len(o.outputs[0].token_ids) for o in outputs]
         except Exception as exc:  # noqa: BLE001 - the report carries it
             report["error"] = traceback.format_exception_only(exc)[-1].strip()

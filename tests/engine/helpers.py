@@ -50,3 +50,24 @@ def check_every_step_filled_exactly_its_blocks(fills: list, requests: int) -> No
             for layer in layers:
                 assert wanted <= set(fill["changed_rows"][layer]), (group, layer)
         assert fill["filled_values_ok"]
+
+
+SHARED_PREFIX = {"prefix": 256, "prompt": 500, "requests": 2}
+"""Two prompts of a dense model (``engine_probe.write_tiny_dense_model``)
+sharing their first 256 tokens, admitted one after the other."""
+
+
+def check_a_prefix_hit_fills_only_after_it(report: dict) -> None:
+    assert report["generated"] == [6, 6]
+    fills = report["fills"]
+    check_every_step_filled_exactly_its_blocks(fills, requests=2)
+    first, second = (
+        ids for fill in fills for ids in fill["block_ids_by_group"].values()
+    )
+    # The second hit the cache (fewer blocks to fill) and filled none of the
+    # blocks holding the shared prefix: the first request's first blocks (a
+    # fresh pool hands them out in order). Its other blocks were freed when it
+    # finished and may be handed out again.
+    hit = len(first) - len(second)
+    assert hit > 0 and second
+    assert not set(second) & set(first[:hit])

@@ -8,7 +8,12 @@ import json
 
 import pytest
 
-from tests.engine.helpers import check_every_step_filled_exactly_its_blocks, run_probe
+from tests.engine.helpers import (
+    SHARED_PREFIX,
+    check_a_prefix_hit_fills_only_after_it,
+    check_every_step_filled_exactly_its_blocks,
+    run_probe,
+)
 
 ATTENTION = "model.layers.1.self_attn.attn"
 LINEAR = "model.layers.0.linear_attn"
@@ -19,7 +24,7 @@ def test_entry_point_alone_applies_and_every_fill_writes_its_blocks_only():
     (worker,) = report["workers"]
     assert worker["package_loaded_before_this_call"] is True
     assert worker["decision"] == "applied" and worker["wrappers"] == 1
-    assert "vllm-kvfill-patch applied" in report["log"]
+    assert "vllm-kvfill-patch fills this worker's KV caches by block" in report["log"]
     assert report["generated"] == [6] * 5
     fills = report["fills"]
     groups = {
@@ -29,10 +34,13 @@ def test_entry_point_alone_applies_and_every_fill_writes_its_blocks_only():
     check_every_step_filled_exactly_its_blocks(fills, requests=5)
 
 
-def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
+def test_imported_after_the_engine_was_built_kernel_split_gets_its_rows_only():
     # As in test_engine.py: the CPU backend made to run only 32-token kernel
-    # blocks, so vLLM splits each 256-token attention block into 8.
-    report = run_probe({"in_process": True, "spy": True, "kernel_block_size": 32})
+    # blocks, so vLLM splits each 256-token attention block into 8; the
+    # package imported only after LLM(...) registered the caches.
+    options = {"in_process": True, "import_after_build": True, "spy": True}
+    report = run_probe({**options, "kernel_block_size": 32}, env={"VLLM_PLUGINS": ""})
+    assert report["package_loaded_at_build"] is False
     assert report["workers"][0]["decision"] == "applied"
     assert report["generated"] == [6] * 5
     fills = report["fills"]
@@ -86,7 +94,7 @@ def test_with_the_refill_every_admission_and_resumption_computes_one_token(
 ):
     report, steps = run_under_preemption(tmp_path, {}, async_scheduling)
     assert report["returncode"] == 0
-    assert "[parts: fill, refill]" in report["log"]
+    assert report["workers"][0]["parts"] == ["fill", "refill"]
     assert report["generated"] == [PREEMPTION["output"]] * PREEMPTION["requests"]
     preemptions = sum(len(step["preempted"]) for step in steps)
     assert preemptions >= 1
@@ -101,7 +109,7 @@ def test_with_the_refill_every_admission_and_resumption_computes_one_token(
 
 def test_without_the_refill_resumed_requests_are_prefilled_for_real(tmp_path):
     report, steps = run_under_preemption(tmp_path, env={"KVFILL_PATCH_REFILL": "0"})
-    assert "[parts: fill]" in report["log"]
+    assert report["workers"][0]["parts"] == ["fill"]
     preemptions = sum(len(step["preempted"]) for step in steps)
     resumed = [n for counts in admissions(steps).values() for n in counts[1:]]
     assert preemptions >= 1 and len(resumed) == preemptions
@@ -110,3 +118,9 @@ def test_without_the_refill_resumed_requests_are_prefilled_for_real(tmp_path):
     assert all(n > PREEMPTION["prompt"] for n in resumed)
     assert beyond_one_token(steps) >= preemptions * PREEMPTION["prompt"]
     print(f"upstream: {preemptions} preemptions, re-prefilled {resumed} tokens")
+
+
+def test_a_prefix_cache_hit_fills_the_blocks_after_it_only():
+    check_a_prefix_hit_fills_only_after_it(
+        run_probe({"in_process": True, "spy": True, "shared_prefix": SHARED_PREFIX})
+    )

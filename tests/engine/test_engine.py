@@ -14,12 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.helpers import check_every_step_filled_exactly_its_blocks, run_probe
+from tests.engine.helpers import (
+    SHARED_PREFIX,
+    check_a_prefix_hit_fills_only_after_it,
+    check_every_step_filled_exactly_its_blocks,
+    run_probe,
+)
 from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
 
 LIST_CRASH = "'list' object has no attribute 'device'"
 RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"
 ENGINE_SESSION = 'python3 -m nox -s "engine(0.23.0)"'
+NO_PLUGINS = {"VLLM_PLUGINS": ""}
 
 
 def test_without_the_overlay_the_engine_fails_with_the_list_error():
@@ -51,7 +57,7 @@ def test_in_process_engine_fills_each_layers_own_group_rows_only():
     assert len(state_blocks) == len(set(state_blocks)) == 5  # no row reused
 
 
-def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
+def test_imported_after_the_engine_was_built_kernel_split_gets_its_rows_only():
     # The CPU attention backend is made to report one supported kernel block
     # size, 32 tokens, as GPU backends with a fixed list do (FlashInfer
     # [16, 32, 64], FlashMLA [64], ...); FlashAttention and CPU say
@@ -59,8 +65,12 @@ def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
     # block is raised to the Mamba page, 256 tokens, so vLLM's model runner
     # splits each block into 8 kernel blocks and builds the views and block
     # tables itself. (On AMX CPUs vLLM's CPU kernel needs multiples of 32.)
-    options = {"in_process": True, "import_overlay": True, "spy": True}
-    report = run_probe({**options, "kernel_block_size": 32})
+    # The package is imported only after LLM(...) has built the engine and
+    # registered its caches (vLLM's plugins, ours among them, left out).
+    options = {"in_process": True, "import_after_build": True, "spy": True}
+    report = run_probe({**options, "kernel_block_size": 32}, env=NO_PLUGINS)
+    assert report["package_loaded_at_build"] is False
+    assert report["workers"][0]["decision"] == "applied"
     assert report["generated"] == [6] * 5
     fills = report["fills"]
     attention = "model.layers.1.self_attn.attn"
@@ -68,6 +78,15 @@ def test_kernel_split_attention_gets_every_kernel_row_of_its_blocks_only():
     # Every kernel row of each requested block holds the fill value
     # (filled_values_ok), and no other block's rows changed.
     check_every_step_filled_exactly_its_blocks(fills, requests=5)
+
+
+def test_a_prefix_cache_hit_fills_the_blocks_after_it_only():
+    # Upstream 0.23 would fill the hit (the first blocks), shared with the
+    # first request; the overlay's prefix-hit part fills the blocks after it.
+    options = {"in_process": True, "import_overlay": True, "spy": True}
+    report = run_probe({**options, "shared_prefix": SHARED_PREFIX})
+    assert "prefix-hit" in report["workers"][0]["parts"]
+    check_a_prefix_hit_fills_only_after_it(report)
 
 
 def test_multiprocess_engine_is_patched_by_the_entry_point_alone():
