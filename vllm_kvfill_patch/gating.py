@@ -193,6 +193,7 @@ def bare_worker(
     worker._zero_fill_group_ids = set()  # 0.30+
     worker._fp8_dtypes = {}  # 0.31+
     worker.num_blocks, worker._host_group_ids = num_blocks, set()  # patches/v0.33.0
+    worker._raw_buffer_layers = set()  # patches/v0.33.0
     # patches/v0.23.0 (and vLLM <= 0.29): the configs, as far as the fill reads them.
     worker.kv_cache_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[])
     cache_config = SimpleNamespace(cache_dtype="auto", num_gpu_blocks=num_blocks)
