@@ -185,6 +185,8 @@ def connector(session: nox.Session, vllm: str) -> None:
     tests = list(SUITES[policy.decision])
     if RELEASES["parse_release"](vllm) >= RELEASES["CURRENT"]:
         tests.append("tests/test_current.py")
+    if RELEASES["parse_release"](vllm) >= RELEASES["ALLOCATOR"]:
+        tests += ["tests/test_allocator.py", "tests/test_gpu_check.py"]
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
     env = release_env(session, vllm)

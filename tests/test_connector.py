@@ -280,11 +280,11 @@ def test_a_step_fills_exactly_the_union_of_its_requests_blocks(vllm_config_for, 
 
 @pytest.fixture
 def tensor_fills(monkeypatch):
-    """Counts the overlay's fill calls, one per tensor (or list of states)."""
+    """Counts the overlay's fill calls: one per tensor, list of states or group view."""
     from vllm_kvfill_patch import replacement
 
     calls = []
-    for name in ("fill_cache_blocks_", "fill_state_blocks_"):
+    for name in ("fill_cache_blocks_", "fill_state_blocks_", "fill_group_pages_"):
         original = getattr(replacement, name)
 
         def counted(*args, _original=original, **kwargs):

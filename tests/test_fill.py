@@ -245,3 +245,79 @@ def test_random_whole_tensor_fill_larger_than_scratch(monkeypatch):
     )
     assert reports[0].written is Written.WHOLE_TENSOR
     assert state.ne(0).all()
+
+
+def layers_of_one_buffer(layout: str, num_layers=3, num_blocks=12, ratio=1):
+    """`num_layers` views ``[B, H, N, C]`` over one byte buffer, as vLLM 0.33's
+    allocator places them: "layer-outer" (each layer its own region),
+    "block-outer" (each block holds every layer's page) or "heads-inner"
+    (layer-outer, tokens and heads permuted within the page)."""
+    heads, tokens, content = 2, 8 // ratio, 16
+    page = heads * tokens * content * ratio
+    raw = torch.randint(
+        0, 256, (num_layers * num_blocks * page * 2,), dtype=torch.uint8
+    )
+    values = raw.view(torch.bfloat16)
+    shape = (num_blocks * ratio, heads, tokens, content)
+    kernel_page = page // ratio
+    views = []
+    for layer in range(num_layers):
+        if layer_outer := layout != "block-outer":
+            offset, block_stride = layer * num_blocks * page, kernel_page
+        else:
+            offset, block_stride = layer * page, num_layers * page
+        inner = (tokens * content, content, 1)
+        if layout == "heads-inner":
+            inner = (content, heads * content, 1)
+        assert layer_outer or ratio == 1
+        views.append(torch.as_strided(values, shape, (block_stride, *inner), offset))
+    return raw, views
+
+
+@pytest.mark.parametrize(
+    "layout,ratio",
+    [("layer-outer", 1), ("layer-outer", 2), ("heads-inner", 1), ("block-outer", 1)],
+)
+def test_a_groups_pages_as_one_view_fill_the_same_bytes_as_layer_by_layer(
+    layout, ratio
+):
+    blocks = fill.BlockSet([2, 3, 7, 9, 11], 12)
+    value = FillValue(0.5)
+    by_group, views = layers_of_one_buffer(layout, ratio=ratio)
+    by_layer, layer_views = layers_of_one_buffer(layout, ratio=ratio)
+    by_layer.copy_(by_group)
+    before = by_group.clone()
+
+    pages = fill.group_pages(views, 12, [ratio] * 3)
+    assert pages is not None and pages.shape[:2] == (12, 3)
+    report = fill.fill_group_pages_(pages, blocks, value)
+    for view in layer_views:
+        fill.fill_cache_blocks_(view, blocks, value, 8, None)
+
+    assert report.written is Written.ROWS
+    assert torch.equal(by_group, by_layer) and not torch.equal(by_group, before)
+
+
+def test_caches_that_are_not_pages_of_one_buffer_have_no_group_view():
+    _, views = layers_of_one_buffer("layer-outer")
+    other_dtype = views[0].view(torch.float16)
+    assert fill.group_pages([views[0], other_dtype], 12, [1, 1]) is None
+    # Offsets not in arithmetic progression: layers 0, 1 and 3 of four.
+    _, four = layers_of_one_buffer("layer-outer", num_layers=4)
+    assert fill.group_pages([four[0], four[1], four[3]], 12, [1, 1, 1]) is None
+    # Kernel rows not next to each other (padding after each kernel block).
+    raw = torch.zeros(12 * 2 * 2 * 64 * 2, dtype=torch.bfloat16)
+    padded = torch.as_strided(raw, (24, 2, 4, 16), (2 * 4 * 16 * 2, 64, 16, 1))
+    assert fill.group_pages([padded], 12, [2]) is None
+    # A block dimension that is not dim 0 (FlashAttention's (2, num_blocks, ...)).
+    assert fill.group_pages([torch.zeros(2, 12, 4, 16)], 12, [1]) is None
+
+
+def test_a_group_view_of_float8_pages_is_written_as_their_bytes():
+    raw, views = layers_of_one_buffer("layer-outer")
+    float8 = [view.view(torch.uint8).view(torch.float8_e4m3fn) for view in views]
+    pages = fill.group_pages(float8, 12, [1, 1, 1])
+    assert pages is not None
+    fill.fill_group_pages_(pages, fill.BlockSet([4], 12), FillValue(0.5))
+    written = float8[1][4].float()
+    assert (written == 0.5).all()

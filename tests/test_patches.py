@@ -22,7 +22,7 @@ from tests.helpers import (
     git_apply,
     run_fresh,
 )
-from vllm_kvfill_patch.releases import parse_release
+from vllm_kvfill_patch.releases import ALLOCATOR, parse_release
 
 
 def test_each_patch_is_a_signed_off_format_patch_of_the_connector_and_its_tests(
@@ -59,7 +59,12 @@ def test_the_series_applies_in_order_to_the_release_file(
         assert result.returncode == 0, f"{patch.name}: {result.stderr}"
 
 
-BEHAVIOUR_TESTS = ["tests/test_connector.py", "tests/test_refill.py"]
+def behaviour_tests(vllm_version: str) -> list[str]:
+    """The modules whose ``behaviour`` tests a patch series must pass."""
+    modules = ["tests/test_connector.py", "tests/test_refill.py"]
+    if parse_release(vllm_version) >= ALLOCATOR:
+        modules.append("tests/test_allocator.py")
+    return modules
 
 
 def behaviour_selection(vllm_version: str) -> str:
@@ -72,10 +77,10 @@ def behaviour_selection(vllm_version: str) -> str:
     return "behaviour and not kv_first_layout"
 
 
-def behaviour_test_ids(selection: str) -> list[str]:
+def behaviour_test_ids(selection: str, modules: list[str]) -> list[str]:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", selection]
-        + BEHAVIOUR_TESTS,
+        + modules,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -85,10 +90,11 @@ def behaviour_test_ids(selection: str) -> list[str]:
 
 def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_version):
     selection = behaviour_selection(vllm_version)
-    expected = behaviour_test_ids(selection)
+    modules = behaviour_tests(vllm_version)
+    expected = behaviour_test_ids(selection, modules)
     assert len(expected) >= 14
     env = {**os.environ, "KVFILL_CONNECTOR_FILE": str(patched_connector)}
-    command = [sys.executable, "-m", "pytest", "-q", "-m", selection, *BEHAVIOUR_TESTS]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", selection, *modules]
     result = subprocess.run(
         [*command, "-p", "no:cacheprovider"],
         cwd=ROOT,

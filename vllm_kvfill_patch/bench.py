@@ -437,6 +437,146 @@ def step_row(
     return "| " + " | ".join(cells) + " |"
 
 
+ALLOCATED_KERNEL_SPLIT = 2
+"""The attention group's 16-token blocks run as 8-token kernel blocks (as
+FlashInfer or FlashMLA split a hybrid model's raised block size)."""
+
+
+def allocated_table(device: torch.device, repeats: int, mean: float) -> None:
+    """The step on caches vLLM's own allocator builds (0.32+): one backing
+    buffer, layer-outer (LBNHC), the attention group kernel-split, Mamba
+    layers as int8 pages; limits: a memset of exactly the filled bytes, and
+    ``index_fill_`` per layer with a prebuilt index."""
+    print(
+        "\n| requests | filled MiB | memset ms | index_fill_ per layer ms "
+        "| upstream step ms | overlay step ms | overlay/memset "
+        "| overlay/index_fill_ | upstream/overlay |"
+    )
+    print("|---" * 9 + "|")
+    for requests in STEP_REQUESTS:
+        print(allocated_row(requests, device, repeats, mean), flush=True)
+
+
+def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
+    """A 48-layer hybrid's KV-cache config (vLLM's own classes) and the caches
+    ``allocate_kv_cache`` builds for it: 12 attention layers in one group,
+    36 Mamba layers in three, every group over the same backing buffer."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    attention = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+    )
+    mamba = MambaSpec(
+        block_size=16,
+        shapes=STEP_STATES,
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=STEP_PAGE_BYTES,
+    )
+    assert attention.page_size_bytes == STEP_PAGE_BYTES
+    size = STEP_ATTENTION_LAYERS * num_blocks * STEP_PAGE_BYTES
+    groups, tensors = [], []
+    for group in range(1 + STEP_LINEAR_GROUPS):
+        kind = "attn" if group == 0 else f"linear{group}"
+        layers = [f"layers.{slot}.{kind}" for slot in range(STEP_ATTENTION_LAYERS)]
+        groups.append(KVCacheGroupSpec(layers, attention if group == 0 else mamba))
+        tensors.append(
+            KVCacheTensor(
+                size=size,
+                layers=layers,
+                layer_stride=num_blocks * STEP_PAGE_BYTES,
+                block_stride=STEP_PAGE_BYTES,
+            )
+        )
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
+    )
+    kernel_sizes = [16 // ALLOCATED_KERNEL_SPLIT] + [16] * STEP_LINEAR_GROUPS
+    caches = allocate_kv_cache(config, device, KVCacheLayout.LBNHC, kernel_sizes)
+    return config, caches
+
+
+def allocated_row(
+    requests: int, device: torch.device, repeats: int, mean: float
+) -> str:
+    from vllm_kvfill_patch.replacement import fill_step, layout_from
+
+    module = importlib.import_module(CONNECTOR_MODULE)
+    worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
+    blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
+    num_blocks = 1 + requests * blocks_per_request
+    config, caches = allocated_caches(num_blocks, device)
+    group_to_layers = {
+        g: group.layer_names for g, group in enumerate(config.kv_cache_groups)
+    }
+    worker = bare_worker(worker_cls, caches, group_to_layers, num_blocks, mean)
+    layout = layout_from(None, config, worker)
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
+    free = (order + 1).tolist()
+    reqs = {}
+    for r in range(requests):
+        ids = [free.pop() for _ in range(blocks_per_request)]
+        per_group = [ids[:STEP_ATTENTION_BLOCKS]] + [
+            [ids[STEP_ATTENTION_BLOCKS + g]] for g in range(STEP_LINEAR_GROUPS)
+        ]
+        reqs[f"r{r}"] = (tuple(per_group), 16 * STEP_ATTENTION_BLOCKS)
+    metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
+    filled_bytes = 0
+    index_fills = []
+    for g, layers in group_to_layers.items():
+        ids = sorted({i for block_ids, _ in reqs.values() for i in block_ids[g]})
+        for name in layers:
+            cache = caches[name]
+            ratio = cache.shape[0] // num_blocks
+            rows = torch.tensor(
+                [i * ratio + k for i in ids for k in range(ratio)], device=device
+            )
+            index_fills.append((cache, rows, mean if cache.is_floating_point() else 0))
+            filled_bytes += rows.numel() * cache[0].nbytes
+    memset_buffer = torch.empty(filled_bytes, dtype=torch.int8, device=device)
+
+    def index_fill_per_layer() -> None:
+        for cache, rows, value in index_fills:
+            cache.index_fill_(0, rows, value)
+
+    memset = measure(lambda: memset_buffer.fill_(1), device, repeats, peak=False)
+    indexed = measure(index_fill_per_layer, device, repeats, peak=False)
+    overlay = measure(
+        lambda: fill_step(worker, layout, reqs), device, repeats, peak=False
+    )
+    upstream = Measured(None, None, "not run")
+    if requests <= UPSTREAM_MAX_REQUESTS:
+        upstream = measure(
+            lambda: upstream_fill_kv(worker, metadata),
+            device,
+            1 if requests > 16 else repeats,
+            peak=False,
+        )
+    memset_s, indexed_s, overlay_s = (seconds(m) for m in (memset, indexed, overlay))
+    vs_upstream = (
+        "-" if upstream.seconds is None else f"{upstream.seconds / overlay_s:.1f}x"
+    )
+    cells = [
+        str(requests),
+        f"{filled_bytes / MIB:.1f}",
+        f"{memset_s * 1e3:.3f}",
+        f"{indexed_s * 1e3:.3f}",
+        _ms(upstream),
+        f"{overlay_s * 1e3:.3f}",
+        f"{overlay_s / memset_s:.2f}x",
+        f"{overlay_s / indexed_s:.2f}x",
+        vs_upstream,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
 def load_module_file(name: str, path: str | None) -> ModuleType | None:
     """The module in `path` (a connector file), or None without one."""
     if path is None:
@@ -469,7 +609,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--mean", type=float, default=0.015)
     parser.add_argument(
-        "--table", choices=("calls", "step", "all"), default="all", help="which table"
+        "--table",
+        choices=("calls", "step", "allocated", "all"),
+        default="all",
+        help="which table (allocated: caches built by vLLM 0.32+'s allocator)",
     )
     parser.add_argument(
         "--series",
@@ -488,12 +631,12 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}; {torch.get_num_threads()} threads; "
         f"median of {args.repeats}"
     )
-    print(
-        "| case | filled MiB | limit ms | upstream ms | overlay ms | overlay/limit "
-        "| overlay/upstream | upstream peak MiB | overlay peak MiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
     if args.table in ("calls", "all"):
+        print(
+            "| case | filled MiB | limit ms | upstream ms | overlay ms | overlay/limit "
+            "| overlay/upstream | upstream peak MiB | overlay peak MiB |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for case in cases():
             print(
                 format_row(case, run_case(case, device, args.repeats, args.mean)),
@@ -502,6 +645,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.table in ("step", "all"):
         series = load_module_file("kvfill_series_connector", args.series)
         step_table(device, args.repeats, args.mean, series)
+    if args.table == "allocated" or (args.table == "all" and _has_allocator()):
+        allocated_table(device, args.repeats, args.mean)
+
+
+def _has_allocator() -> bool:
+    return importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None
 
 
 if __name__ == "__main__":

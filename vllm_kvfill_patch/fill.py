@@ -13,8 +13,9 @@ requested rows may be written.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -30,13 +31,15 @@ so a random fill always needs less than upstream's region-sized temporary."""
 MIN_SCRATCH_BYTES = 1024 * 1024
 
 INDEXED_FILL_MIN_RUNS = 8
-"""From this many runs of consecutive blocks on, one indexed kernel
-(`index_fill_` / `index_copy_`) beats a Python loop of slice fills on a GPU,
-where each launch costs more than a small fill..."""
+"""On the CPU, from this many runs of consecutive blocks on, one indexed
+kernel (`index_fill_` / `index_copy_`) beats a Python loop of slice fills
+for small rows... (on a GPU from three runs on: two kernels, the index copy
+and the fill, whatever the rows)"""
 
 CPU_LOOP_MIN_ROW_BYTES = 32 * 1024
-"""...but on the CPU a loop of slice fills is faster for rows this large
-(measured: 256 blocks of 64 KiB, 0.7 ms looped against 1.0 ms indexed)."""
+"""...but a loop of slice fills is faster for rows this large (measured:
+256 blocks of 64 KiB, 0.7 ms looped against 1.0 ms indexed; a 0.33 group's
+561 runs of 12 x 4 KiB pages, 12 ms looped against 19 ms indexed)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,10 @@ class BlockDim:
 
 
 def find_block_dim(
-    shape: Sequence[int], num_blocks: int, block_size: int | None = None
+    shape: Sequence[int],
+    num_blocks: int,
+    block_size: int | None = None,
+    states_of: Callable[[int], int] | None = None,
 ) -> BlockDim | None:
     """The dimension of an attention cache that indexes blocks, or None.
 
@@ -168,8 +174,10 @@ def find_block_dim(
     of ``(2, num_blocks * ratio, ...)``; dim 0 is tried first. With the
     group's `block_size` (tokens per manager block) a split (ratio > 1) is
     taken only where a later dimension holds the kernel block's
-    ``block_size // ratio`` tokens; without it, the first dimension whose size
-    is a multiple of `num_blocks` is taken.
+    ``block_size // ratio`` tokens, or, with `states_of` (the spec's states
+    per kernel block of so many tokens: compressed caches store one state
+    per several tokens), that many states; without it, the first dimension
+    whose size is a multiple of `num_blocks` is taken.
     """
     candidates = [0] + ([1] if len(shape) >= 2 and shape[0] == 2 else [])
     for dim in candidates:
@@ -180,7 +188,12 @@ def find_block_dim(
             continue
         if ratio == 1 or block_size is None:
             return BlockDim(dim, ratio)
-        if block_size % ratio == 0 and block_size // ratio in shape[dim + 1 :]:
+        if block_size % ratio:
+            continue
+        rows = (
+            block_size // ratio if states_of is None else states_of(block_size // ratio)
+        )
+        if rows in shape[dim + 1 :]:
             return BlockDim(dim, ratio)
     return None
 
@@ -190,16 +203,100 @@ def fill_cache_blocks_(
     blocks: BlockSet,
     value: FillValue,
     block_size: int | None = None,
+    states_of: Callable[[int], int] | None = None,
 ) -> FillReport:
     """Fill the rows of `blocks` along an attention cache's block dimension.
 
     Each block's kernel rows, where the cache is kernel-split. A tensor with
     no block dimension (``find_block_dim``) is left untouched.
     """
-    found = find_block_dim(cache.shape, blocks.num_blocks, block_size)
+    found = find_block_dim(cache.shape, blocks.num_blocks, block_size, states_of)
     if found is None:
         return FillReport(Written.NO_BLOCK_DIM)
     return _fill_runs_(cache.movedim(found.dim, 0), blocks.rows(found.ratio), value)
+
+
+def group_pages(
+    caches: Sequence[torch.Tensor], num_blocks: int, ratios: Sequence[int]
+) -> torch.Tensor | None:
+    """All `caches`' blocks as one ``(num_blocks, layers, page)`` view, or None.
+
+    vLLM 0.33's allocator places the layers of a group in one backing buffer,
+    at a constant layer stride, each block a dense page (its kernel rows next
+    to each other where the cache is split `ratio` ways). Then
+    ``view[b, l]`` is layer ``l``'s block ``b``, and one fill of the view's
+    rows writes every layer of the group: exactly the bytes filling layer by
+    layer writes, in one kernel per run of blocks (or one indexed kernel)
+    instead of one per layer. None where the caches are not such pages: other
+    dtypes or storages, a block dimension that is not dim 0, padded or
+    interleaved kernel rows, offsets not in arithmetic progression.
+    """
+    if not caches:
+        return None
+    first = caches[0]
+    placements = []
+    for cache, ratio in zip(caches, ratios, strict=True):
+        if (
+            cache.dtype != first.dtype
+            or cache.device != first.device
+            or cache.dim() < 2
+            or cache.shape[0] != num_blocks * ratio
+            or cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or not _dense(cache[0])
+        ):
+            return None
+        kernel_page = cache[0].numel()
+        if ratio > 1 and cache.stride(0) != kernel_page:
+            return None
+        placements.append(
+            (cache.storage_offset(), kernel_page * ratio, cache.stride(0) * ratio)
+        )
+    placements.sort()
+    offsets = [offset for offset, _, _ in placements]
+    if len({(page, stride) for _, page, stride in placements}) != 1:
+        return None
+    _, page, block_stride = placements[0]
+    layer_stride = offsets[1] - offsets[0] if len(offsets) > 1 else page
+    if layer_stride <= 0 or any(
+        later - earlier != layer_stride for earlier, later in pairwise(offsets)
+    ):
+        return None
+    storage = torch.empty(0, dtype=first.dtype, device=first.device)
+    storage.set_(first.untyped_storage())
+    return torch.as_strided(
+        storage,
+        (num_blocks, len(offsets), page),
+        (block_stride, layer_stride, 1),
+        offsets[0],
+    )
+
+
+def _dense(page: torch.Tensor) -> bool:
+    """Whether `page`'s elements fill one range of memory, in any dim order
+    (0.33's layouts permute heads and tokens within a page)."""
+    expected = 1
+    shape_and_strides = zip(page.shape, page.stride(), strict=True)
+    dims = sorted((stride, size) for size, stride in shape_and_strides if size > 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def fill_group_pages_(
+    pages: torch.Tensor, blocks: BlockSet, value: FillValue
+) -> FillReport:
+    """Write a constant into the blocks' pages of a ``group_pages`` view."""
+    constant = _constant_for(pages.dtype, value)
+    if _is_float8(pages.dtype):
+        # Indexed kernels do not take float8 dtypes everywhere: its bytes.
+        encoded = torch.tensor(constant or 0.0, dtype=torch.float32).to(pages.dtype)
+        pages, constant = pages.view(torch.uint8), int(encoded.view(torch.uint8).item())
+    if not blocks.runs:
+        return FillReport(Written.NOTHING)
+    _fill_constant_runs_(pages, blocks.rows(), 0 if constant is None else constant)
+    return FillReport(Written.ROWS, constant is None and bool(value.mean))
 
 
 def fill_state_blocks_(
@@ -269,9 +366,12 @@ def _fill_constant_runs_(
 
 def _indexed(rows: torch.Tensor, runs: RowRuns) -> bool:
     """Whether one indexed kernel should fill these runs, not a loop."""
-    if len(runs.runs) < INDEXED_FILL_MIN_RUNS:
-        return False
-    return rows.device.type != "cpu" or rows[0].nbytes < CPU_LOOP_MIN_ROW_BYTES
+    if rows.device.type != "cpu":
+        # The index copy and one fill: never more kernels than a loop's.
+        return len(runs.runs) > 2
+    return len(runs.runs) >= INDEXED_FILL_MIN_RUNS and rows[0].nbytes < (
+        CPU_LOOP_MIN_ROW_BYTES
+    )
 
 
 def _fill_random_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:

@@ -168,6 +168,12 @@ fp8 and startup fill from 0.31): the overlay takes those decisions from
 upstream's worker, and tests/test_current.py checks it writes upstream's
 bytes."""
 
+ALLOCATOR = (0, 32, 0)
+"""From this release on vLLM's GPU runners allocate with
+``vllm.v1.worker.utils.allocate_kv_cache`` (one backing buffer, a 4-D view
+per layer in a ``KVCacheLayout``, raw buffers for specs without views, pools
+of their own block count): tests/test_allocator.py builds caches with it."""
+
 
 def parse_release(version: str) -> Release | None:
     """`(major, minor, patch)` of a vLLM version string, or None."""

@@ -43,7 +43,13 @@ How
     group's block size from its spec, to cross-check a kernel split. A step
     fills the union of its requests' block ids once per
     group: the block set and its row index are built once and shared by
-    every layer and state tensor of the group. What to write is upstream's
+    every layer and state tensor of the group, and where the group's layers
+    are pages of one buffer at a constant stride (vLLM 0.32+'s allocator) and
+    take one constant, all of them are written at once through one view
+    (``fill.group_pages``). From the 0.33 KV-cache config: each layer's pool
+    size (``num_blocks_of``), its spec's states per kernel block (compressed
+    caches), and the layers given the raw buffer (no block rows: skipped with
+    one warning). What to write is upstream's
     decision where the release takes it per layer (0.30+, ``fill_value``):
     zeros for circular-buffer groups, the layer's fp8 encoding, clamped to
     the dtype's finite range; ``startup_fill`` and the scheduler side stay
@@ -71,6 +77,7 @@ Remove when
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +90,10 @@ from vllm_kvfill_patch.fill import (
     FillValue,
     Written,
     fill_cache_blocks_,
+    fill_group_pages_,
     fill_state_blocks_,
+    find_block_dim,
+    group_pages,
 )
 
 logger = init_logger("vllm.kvfill_patch")
@@ -108,6 +118,17 @@ class CacheLayout:
     kv_caches: dict | None = None
     """The registration the layout was taken from: the worker's ``kv_caches``
     at the time. Registering again replaces that dict, and the layout with it."""
+    layer_blocks: dict[str, int] = field(default_factory=dict)
+    """Blocks of the pool behind each layer, where it differs from
+    `num_blocks` (0.33: a HiSparse host pool, ``num_blocks_of``)."""
+    states_of: dict[str, Callable[[int], int]] = field(default_factory=dict)
+    """Per layer, the spec's states per kernel block of so many tokens
+    (0.33: compressed caches store one state per several tokens)."""
+    raw_layers: frozenset[str] = frozenset()
+    """Layers registered as the raw backing buffer (0.33 specs without layer
+    views, HiSparse): no block rows to fill, for upstream or for us."""
+    group_plans: dict[int, GroupPlan] = field(default_factory=dict)
+    """Per group, how it is filled at once, if it can be."""
 
 
 def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
@@ -176,22 +197,40 @@ def fill_group(
             "KV-cache config, cache_config.num_gpu_blocks unset); not filling"
         )
         return
-    blocks = BlockSet(block_ids, layout.num_blocks)
-    if not blocks.runs:
+    layer_names = layout.group_to_layers.get(group_idx, [])
+    if _fill_group_at_once(worker, layout, group_idx, layer_names, block_ids):
         return
+    # One block set per pool size (almost always one per group), shared by
+    # every layer of the group.
+    block_sets: dict[int, BlockSet] = {}
     block_size = layout.block_sizes.get(group_idx)
-    for layer_name in layout.group_to_layers.get(group_idx, []):
+    for layer_name in layer_names:
+        if layer_name in layout.raw_layers:
+            logger.warning_once(
+                "vllm-kvfill-patch: layer %s is registered as the raw KV-cache "
+                "buffer (its spec has no layer views): it has no block rows to "
+                "fill; not filling it",
+                layer_name,
+            )
+            continue
+        num_blocks = layout.layer_blocks.get(layer_name, layout.num_blocks)
+        if num_blocks not in block_sets:
+            block_sets[num_blocks] = BlockSet(block_ids, num_blocks)
+        blocks = block_sets[num_blocks]
+        if not blocks.runs:
+            continue
         cache = worker.kv_caches.get(layer_name)
         value = fill_value(worker, layout, group_idx, layer_name)
         if isinstance(cache, torch.Tensor):
-            report = fill_cache_blocks_(cache, blocks, value, block_size)
-            _log_report(layer_name, report, cache, layout.num_blocks)
+            states_of = layout.states_of.get(layer_name)
+            report = fill_cache_blocks_(cache, blocks, value, block_size, states_of)
+            _log_report(layer_name, report, cache, num_blocks)
         elif isinstance(cache, (list, tuple)) and all(
             isinstance(state, torch.Tensor) for state in cache
         ):
             reports = fill_state_blocks_(cache, blocks, value)
             for state, report in zip(cache, reports, strict=True):
-                _log_report(layer_name, report, state, layout.num_blocks)
+                _log_report(layer_name, report, state, num_blocks)
         else:
             logger.warning_once(
                 "vllm-kvfill-patch: layer %s has a KV cache of type %s, not a "
@@ -199,6 +238,87 @@ def fill_group(
                 layer_name,
                 type(cache).__name__,
             )
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How a group is filled at once, worked out at its first fill."""
+
+    caches: tuple
+    """The caches it was worked out for (a cache replaced in the registered
+    dict makes it stale)."""
+    pages: torch.Tensor | None
+    """The group's pages as one view (``fill.group_pages``), or None where
+    its layers are not such pages or take different values (layer by layer)."""
+    value: FillValue | None = None
+
+
+def _fill_group_at_once(
+    worker: Any,
+    layout: CacheLayout,
+    group_idx: int,
+    layer_names: list[str],
+    block_ids: list[int],
+) -> bool:
+    """Fill every layer of the group with one write per run of blocks (one
+    indexed write on a GPU), where its layers are pages of one buffer at a
+    constant stride and take the same constant; False where not."""
+    caches = tuple(worker.kv_caches.get(name) for name in layer_names)
+    plan = layout.group_plans.get(group_idx)
+    fresh = plan is None or len(plan.caches) != len(caches)
+    if plan is not None and not fresh:
+        fresh = any(a is not b for a, b in zip(plan.caches, caches, strict=True))
+    if fresh:
+        plan = _group_plan(worker, layout, group_idx, layer_names, caches)
+        layout.group_plans[group_idx] = plan
+    assert plan is not None
+    if plan.pages is None or plan.value is None:
+        return False
+    blocks = BlockSet(block_ids, plan.pages.shape[0])
+    report = fill_group_pages_(plan.pages, blocks, plan.value)
+    if fresh:  # said once per plan, not at every step
+        for name, cache in zip(layer_names, caches, strict=True):
+            _log_report(name, report, cache, plan.pages.shape[0])
+    return True
+
+
+def _group_plan(
+    worker: Any,
+    layout: CacheLayout,
+    group_idx: int,
+    layer_names: list[str],
+    caches: tuple,
+) -> GroupPlan:
+    layer_blocks = {
+        layout.layer_blocks.get(name, layout.num_blocks) for name in layer_names
+    }
+    values = {fill_value(worker, layout, group_idx, name) for name in layer_names}
+    if (
+        not caches
+        or len(layer_blocks) != 1
+        or len(values) != 1
+        or any(name in layout.raw_layers for name in layer_names)
+        or not all(isinstance(cache, torch.Tensor) for cache in caches)
+    ):
+        return GroupPlan(caches, None)
+    (num_blocks,), (value,) = layer_blocks, values
+    if num_blocks is None or value.std > 0:  # samples: layer by layer
+        return GroupPlan(caches, None)
+    block_dims = [
+        find_block_dim(
+            cache.shape,
+            num_blocks,
+            layout.block_sizes.get(group_idx),
+            layout.states_of.get(name),
+        )
+        for name, cache in zip(layer_names, caches, strict=True)
+    ]
+    ratios = [
+        found.ratio for found in block_dims if found is not None and found.dim == 0
+    ]
+    if len(ratios) != len(caches):
+        return GroupPlan(caches, None)
+    return GroupPlan(caches, group_pages(caches, num_blocks, ratios), value)
 
 
 def fill_value(
@@ -249,6 +369,11 @@ def layout_from(cache_config: Any, kv_cache_config: Any, worker: Any) -> CacheLa
             group_idx: [name for name in group.layer_names if name in worker.kv_caches]
             for group_idx, group in enumerate(groups)
         }
+    layer_specs = {
+        name: spec
+        for group in groups
+        for name, spec in _layer_specs(group.kv_cache_spec, group.layer_names)
+    }
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
     return CacheLayout(
         num_blocks,
@@ -256,7 +381,40 @@ def layout_from(cache_config: Any, kv_cache_config: Any, worker: Any) -> CacheLa
         group_to_layers,
         block_sizes,
         worker.kv_caches,
+        layer_blocks=_layer_blocks(kv_cache_config),
+        states_of={
+            name: spec.get_num_kernel_states
+            for name, spec in layer_specs.items()
+            if hasattr(spec, "get_num_kernel_states")
+        },
+        raw_layers=frozenset(
+            name
+            for name, spec in layer_specs.items()
+            if getattr(spec, "has_layer_views", True) is False
+        ),
     )
+
+
+def _layer_specs(group_spec: Any, layer_names: list[str]) -> list[tuple[str, Any]]:
+    """Each layer's own spec (0.30+ groups of mixed specs hold one per layer)."""
+    per_layer = getattr(group_spec, "kv_cache_specs", None)
+    if isinstance(per_layer, dict):
+        return [(name, per_layer.get(name, group_spec)) for name in layer_names]
+    return [(name, group_spec) for name in layer_names]
+
+
+def _layer_blocks(kv_cache_config: Any) -> dict[str, int]:
+    """The block count of each layer's pool where the config says it differs
+    from ``num_blocks`` (0.33's ``num_blocks_of``: a HiSparse host pool)."""
+    num_blocks_of = getattr(kv_cache_config, "num_blocks_of", None)
+    if num_blocks_of is None:
+        return {}
+    counts = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        count = num_blocks_of(tensor)
+        if count != kv_cache_config.num_blocks:
+            counts.update(dict.fromkeys(tensor.layers, count))
+    return counts
 
 
 def fp8_encoding(cache_dtype: str) -> torch.dtype | None:

@@ -1,0 +1,290 @@
+"""The fill on a GPU, in one command, on a machine with PyTorch and nothing else.
+
+    python vllm_kvfill_patch/gpu_check.py                  # CUDA, full sizes
+    python vllm_kvfill_patch/gpu_check.py --device cpu --quick   # what CI runs
+
+Run as a script from a checkout: it loads ``fill.py`` (pure torch) from next
+to itself, so neither vLLM nor an installed package is needed. It builds
+caches the way vLLM 0.33's allocator lays them out (one int8 backing buffer;
+per layer a ``[B, H, N, C]`` view, layer-outer, pages dense; attention split
+into kernel blocks; Mamba layers as int8 pages), fills a scheduler step the
+way the overlay does (per group: the layers' pages as one view, one write),
+and checks:
+
+- bytes: every case (bf16 kernel-split, float8 dtype, fp8 stored as uint8,
+  int8 pages, compressed states) filled on the device equals the same fill
+  on the CPU, byte for byte, and nothing outside the requested blocks moved;
+- no host synchronisation in a whole step (``torch.cuda.set_sync_debug_mode
+  ("error")``);
+- kernels per group per step, counted with the profiler;
+- the step's time against a memset of exactly the bytes it writes, at 1, 16,
+  256 and 1024 requests of a 48-layer hybrid with Qwen3-Next-80B-at-TP=4
+  pages (536 KiB).
+
+Exit status 1 when the bytes differ or a step synchronises; the timings and
+kernel counts are printed, for the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+PAGE_BYTES = 536 * 1024
+"""Qwen3-Next-80B at TP=4: a linear-attention layer's state page."""
+QUICK_PAGE_BYTES = 4096
+LAYERS_PER_GROUP, GROUPS = 12, 4
+"""One attention group and three linear-attention groups of 12 layers."""
+ATTENTION_BLOCKS, STATE_BLOCKS = 8, 1
+"""Per request: 8 attention blocks; one state block per linear group."""
+KERNEL_SPLIT = 2
+REQUESTS = (1, 16, 256, 1024)
+QUICK_REQUESTS = (1, 16)
+
+
+def load_fill() -> ModuleType:
+    """``fill.py`` from next to this file, without importing the package."""
+    path = Path(__file__).with_name("fill.py")
+    spec = importlib.util.spec_from_file_location("kvfill_fill", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module
+    spec.loader.exec_module(module)
+    return module
+
+
+fill = load_fill()
+
+
+def group_caches(
+    buffer: torch.Tensor,
+    num_blocks: int,
+    page_bytes: int,
+    dtype: torch.dtype,
+    ratio: int,
+) -> list[torch.Tensor]:
+    """12 layer-outer views ``[B * ratio, H, N, C]`` of `dtype` over `buffer`
+    (each layer its own region of `num_blocks` dense pages), as vLLM 0.33's
+    allocator builds them for one group in layout LBNHC."""
+    elements = page_bytes // dtype.itemsize
+    heads, content = 2, 64
+    tokens = elements // (heads * content * ratio)
+    assert tokens * heads * content * ratio == elements, page_bytes
+    values = buffer.view(dtype)
+    shape = (num_blocks * ratio, heads, tokens, content)
+    strides = (elements // ratio, content, heads * content, 1)  # tokens outside heads
+    return [
+        torch.as_strided(values, shape, strides, layer * num_blocks * elements)
+        for layer in range(LAYERS_PER_GROUP)
+    ]
+
+
+CASES = {
+    # name: (dtype of the views, kernel split, value, fp8 encoding of uint8 bytes)
+    "bf16, kernel-split": (torch.bfloat16, KERNEL_SPLIT, 0.015, None),
+    "float8 dtype": (torch.float8_e4m3fn, 1, 0.015, None),
+    "fp8 stored as uint8": (torch.uint8, 1, 0.015, torch.float8_e4m3fn),
+    "int8 pages (Mamba)": (torch.int8, 1, 0.015, None),
+    "compressed states, split": (torch.bfloat16, 4, 0.5, None),
+}
+
+
+def fill_case(
+    device: torch.device,
+    case: str,
+    page_bytes: int,
+    block_ids: list[int],
+    num_blocks: int,
+) -> torch.Tensor:
+    """One group of `case` filled at `block_ids`; the backing buffer, on the CPU."""
+    dtype, ratio, mean, encoding = CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    size = LAYERS_PER_GROUP * num_blocks * page_bytes
+    host = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
+    buffer = host.to(device)
+    caches = group_caches(buffer, num_blocks, page_bytes, dtype, ratio)
+    pages = fill.group_pages(caches, num_blocks, [ratio] * len(caches))
+    assert pages is not None, case
+    value = fill.FillValue(mean, 0.0, encoding)
+    fill.fill_group_pages_(pages, fill.BlockSet(block_ids, num_blocks), value)
+    return buffer.cpu()
+
+
+def check_bytes(device: torch.device, page_bytes: int) -> bool:
+    num_blocks, block_ids = 24, [1, 2, 3, 7, 11, 12, 20, 23]
+    ok = True
+    for case in CASES:
+        on_device = fill_case(device, case, page_bytes, block_ids, num_blocks)
+        on_cpu = fill_case(torch.device("cpu"), case, page_bytes, block_ids, num_blocks)
+        untouched = fill_case(torch.device("cpu"), case, page_bytes, [], num_blocks)
+        same = torch.equal(on_device, on_cpu)
+        pages = on_cpu.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
+        before = untouched.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
+        others = [b for b in range(num_blocks) if b not in block_ids]
+        outside_kept = torch.equal(pages[:, others], before[:, others])
+        inside_written = not torch.equal(pages[:, block_ids], before[:, block_ids])
+        good = same and outside_kept and inside_written
+        ok &= good
+        print(
+            f"bytes  {case:<26} {'ok' if good else 'WRONG'} (device = CPU: {same}, "
+            f"other blocks kept: {outside_kept}, requested written: {inside_written})"
+        )
+    return ok
+
+
+class Step:
+    """A 48-layer hybrid's caches over one backing buffer, and one scheduler
+    step of `requests` requests: per group its pages view and block ids."""
+
+    def __init__(self, device: torch.device, requests: int, page_bytes: int) -> None:
+        blocks_per_request = ATTENTION_BLOCKS + (GROUPS - 1) * STATE_BLOCKS
+        self.num_blocks = 1 + requests * blocks_per_request
+        size = LAYERS_PER_GROUP * self.num_blocks * page_bytes
+        self.buffer = torch.zeros(size, dtype=torch.int8, device=device)
+        order = torch.randperm(
+            self.num_blocks - 1, generator=torch.Generator().manual_seed(0)
+        )
+        free = (order + 1).tolist()
+        self.groups = []
+        attention = [free.pop() for _ in range(requests * ATTENTION_BLOCKS)]
+        caches = group_caches(
+            self.buffer, self.num_blocks, page_bytes, torch.bfloat16, KERNEL_SPLIT
+        )
+        self.groups.append((caches, KERNEL_SPLIT, attention, fill.FillValue(0.015)))
+        for _ in range(GROUPS - 1):
+            states = [free.pop() for _ in range(requests * STATE_BLOCKS)]
+            caches = group_caches(
+                self.buffer, self.num_blocks, page_bytes, torch.int8, 1
+            )
+            self.groups.append((caches, 1, states, fill.FillValue(0.015)))
+        self.filled_bytes = sum(
+            len(ids) * LAYERS_PER_GROUP * page_bytes for _, _, ids, _ in self.groups
+        )
+        # Worked out once, as the overlay does at a group's first fill.
+        self.pages = []
+        for caches, ratio, _, _ in self.groups:
+            pages = fill.group_pages(caches, self.num_blocks, [ratio] * len(caches))
+            assert pages is not None
+            self.pages.append(pages)
+
+    def run(self) -> None:
+        """The overlay's step: per group, its pages as one view, one write."""
+        for pages, (_, _, block_ids, value) in zip(
+            self.pages, self.groups, strict=True
+        ):
+            blocks = fill.BlockSet(block_ids, self.num_blocks)
+            fill.fill_group_pages_(pages, blocks, value)
+
+
+def check_no_sync(device: torch.device, page_bytes: int) -> bool:
+    if device.type != "cuda":
+        print("sync   not a CUDA device: not checked")
+        return True
+    step = Step(device, 16, page_bytes)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step.run()
+        ok = True
+    except RuntimeError as exc:
+        print(f"sync   a step synchronised with the host: {exc}")
+        ok = False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(device)
+    if ok:
+        print("sync   none in a step of 16 requests")
+    return ok
+
+
+def kernels_per_group(device: torch.device, page_bytes: int) -> None:
+    if device.type != "cuda":
+        print("kernels not a CUDA device: not counted")
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    step = Step(device, 16, page_bytes)
+    step.run()  # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.run()
+        torch.cuda.synchronize(device)
+    kernels = [
+        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    names = sorted({e.name for e in kernels})
+    print(
+        f"kernels {len(kernels)} in a step of {GROUPS} groups "
+        f"({len(kernels) / GROUPS:.1f} per group, index copies included): {names}"
+    )
+
+
+def timed(call: Callable[[], object], device: torch.device, repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def time_steps(
+    device: torch.device, page_bytes: int, requests: tuple, repeats: int
+) -> None:
+    print(
+        f"\n| requests | filled GiB | memset ms | step ms | step/memset |  "
+        f"(pages {page_bytes // 1024} KiB, {device})"
+    )
+    print("|---|---|---|---|---|")
+    for count in requests:
+        print(time_row(device, page_bytes, count, repeats), flush=True)
+
+
+def time_row(device: torch.device, page_bytes: int, count: int, repeats: int) -> str:
+    step = Step(device, count, page_bytes)
+    # The same number of bytes, contiguous, in the caches' own buffer: at
+    # 1024 requests the caches take half an H200.
+    memset_view = step.buffer[: step.filled_bytes]
+    memset = timed(lambda: memset_view.fill_(1), device, repeats)
+    step_time = timed(step.run, device, repeats)
+    return (
+        f"| {count} | {step.filled_bytes / 2**30:.2f} | {memset * 1e3:.3f} "
+        f"| {step_time * 1e3:.3f} | {step_time / memset:.2f}x |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--quick", action="store_true", help="4 KiB pages, 1 and 16 requests"
+    )
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    page_bytes = QUICK_PAGE_BYTES if args.quick else PAGE_BYTES
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__} on {name}")
+    ok = check_bytes(device, QUICK_PAGE_BYTES)
+    ok &= check_no_sync(device, page_bytes)
+    kernels_per_group(device, page_bytes)
+    time_steps(
+        device, page_bytes, QUICK_REQUESTS if args.quick else REQUESTS, args.repeats
+    )
+    print("\nresult:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
