@@ -370,6 +370,25 @@ def test_invalid_null_and_duplicate_ids(vllm_config_for):
     expect_only_pages_changed(pool, before, {2})
 
 
+def test_a_pipeline_stage_fills_its_own_layers_and_names_no_other(
+    vllm_config_for, patch_log
+):
+    # The KV-cache groups name every layer of the model; a pipeline-parallel
+    # stage registers only its own.
+    pool = make_pool(NUM_BLOCKS)
+    kv_cache_config = make_kv_cache_config(pool)
+    for group in kv_cache_config.kv_cache_groups:
+        group.layer_names.append(group.layer_names[0].replace("layers.", "layers.9"))
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=0.5), pool, kv_cache_config
+    )
+    before = pool.raw.clone()
+    start_fill(connector, {"r": (([3], [4]), 32)})
+    expect_only_pages_changed(pool, before, {3, 4})
+    assert (pool.attention_block(3) == 0.5).all()
+    assert [r.getMessage() for r in patch_log if "layers.9" in r.getMessage()] == []
+
+
 @behaviour
 def test_non_tensor_cache_warns_once_and_other_layers_still_fill(
     vllm_config_for, patch_log

@@ -366,9 +366,14 @@ def layout_from(cache_config: Any, kv_cache_config: Any, worker: Any) -> CacheLa
     group_to_layers = dict(worker.group_to_layers or {})
     if len(groups) > 1 and set(group_to_layers) <= {0}:
         group_to_layers = {
-            group_idx: [name for name in group.layer_names if name in worker.kv_caches]
-            for group_idx, group in enumerate(groups)
+            group_idx: list(group.layer_names) for group_idx, group in enumerate(groups)
         }
+    # Only the layers this worker holds: a pipeline-parallel stage registers
+    # its own layers, while the groups (0.30+: upstream's map) name them all.
+    group_to_layers = {
+        group_idx: [name for name in names if name in worker.kv_caches]
+        for group_idx, names in group_to_layers.items()
+    }
     layer_specs = {
         name: spec
         for group in groups
