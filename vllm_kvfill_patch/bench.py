@@ -291,8 +291,7 @@ def step_worker(
     metadata ``{req_id: (block_ids_per_group, num_tokens)}``."""
     from vllm_kvfill_patch.replacement import layout_from
 
-    blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
-    num_blocks = 1 + requests * blocks_per_request
+    num_blocks = step_blocks(requests)
     page_floats = STEP_PAGE_BYTES // 4
     caches: dict[str, Any] = {}
     groups: dict[int, list[str]] = {g: [] for g in range(1 + STEP_LINEAR_GROUPS)}
@@ -309,17 +308,27 @@ def step_worker(
             groups[group].append(linear)
     worker = bare_worker(worker_cls, caches, groups, num_blocks, mean)
     layout = layout_from(worker.vllm_config.cache_config, None, worker)
-    # Blocks as the allocator hands them out: interleaved between requests.
+    reqs = step_requests(requests, num_blocks)
+    return worker, layout, reqs
+
+
+def step_blocks(requests: int) -> int:
+    """Blocks of a step's pool: every request's, and the null block."""
+    blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
+    return 1 + requests * blocks_per_request
+
+
+def step_requests(requests: int, num_blocks: int) -> dict:
+    """The step's metadata ``{req_id: (block_ids_per_group, num_tokens)}``, the
+    blocks handed out as the allocator does: interleaved between requests."""
     order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
     free = (order + 1).tolist()
     reqs = {}
     for r in range(requests):
-        ids = [free.pop() for _ in range(blocks_per_request)]
-        per_group = [ids[:STEP_ATTENTION_BLOCKS]] + [
-            [ids[STEP_ATTENTION_BLOCKS + g]] for g in range(STEP_LINEAR_GROUPS)
-        ]
-        reqs[f"r{r}"] = (tuple(per_group), 16 * STEP_ATTENTION_BLOCKS)
-    return worker, layout, reqs
+        attention = [free.pop() for _ in range(STEP_ATTENTION_BLOCKS)]
+        states = [[free.pop()] for _ in range(STEP_LINEAR_GROUPS)]
+        reqs[f"r{r}"] = ((attention, *states), 16 * STEP_ATTENTION_BLOCKS)
+    return reqs
 
 
 def step_limit(worker: Any, reqs: dict, mean: float) -> Callable[[], None]:
@@ -510,23 +519,14 @@ def allocated_row(
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
-    blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
-    num_blocks = 1 + requests * blocks_per_request
+    num_blocks = step_blocks(requests)
     config, caches = allocated_caches(num_blocks, device)
     group_to_layers = {
         g: group.layer_names for g, group in enumerate(config.kv_cache_groups)
     }
     worker = bare_worker(worker_cls, caches, group_to_layers, num_blocks, mean)
     layout = layout_from(None, config, worker)
-    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
-    free = (order + 1).tolist()
-    reqs = {}
-    for r in range(requests):
-        ids = [free.pop() for _ in range(blocks_per_request)]
-        per_group = [ids[:STEP_ATTENTION_BLOCKS]] + [
-            [ids[STEP_ATTENTION_BLOCKS + g]] for g in range(STEP_LINEAR_GROUPS)
-        ]
-        reqs[f"r{r}"] = (tuple(per_group), 16 * STEP_ATTENTION_BLOCKS)
+    reqs = step_requests(requests, num_blocks)
     metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
     filled_bytes = 0
     index_fills = []
