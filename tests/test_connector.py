@@ -284,14 +284,15 @@ def tensor_fills(monkeypatch):
     from vllm_kvfill_patch import replacement
 
     calls = []
-    for name in ("fill_cache_blocks_", "fill_state_blocks_", "fill_group_pages_"):
-        original = getattr(replacement, name)
+    targets = [(replacement, "fill_cache_blocks_"), (replacement, "fill_state_blocks_")]
+    for owner, name in [*targets, (replacement.PagesFill, "write_")]:
+        original = getattr(owner, name)
 
         def counted(*args, _original=original, **kwargs):
             calls.append(args[0])
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(replacement, name, counted)
+        monkeypatch.setattr(owner, name, counted)
     return calls
 
 

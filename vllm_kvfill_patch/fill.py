@@ -13,6 +13,7 @@ requested rows may be written.
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -82,7 +83,8 @@ def block_runs(block_ids: Iterable[int], num_blocks: int) -> list[tuple[int, int
     Ids outside `1 .. num_blocks - 1` are dropped (the null block and
     out-of-range ids), duplicates count once.
     """
-    ids = sorted({i for i in map(int, block_ids) if NULL_BLOCK_ID < i < num_blocks})
+    ids = sorted(set(map(int, block_ids)))
+    ids = ids[bisect_right(ids, NULL_BLOCK_ID) : bisect_left(ids, num_blocks)]
     if not ids:
         return []
     if ids[-1] - ids[0] + 1 == len(ids):  # the common case: one allocation run
@@ -284,19 +286,40 @@ def _dense(page: torch.Tensor) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class PagesFill:
+    """A constant fill of a ``group_pages`` view, worked out once (the view
+    and scalar it writes), so that a step only picks its blocks."""
+
+    pages: torch.Tensor
+    constant: float | int
+    zeroed: bool
+    """Zeros are written because the dtype cannot hold the value."""
+
+    @classmethod
+    def of(cls, pages: torch.Tensor, value: FillValue) -> PagesFill:
+        constant = _constant_for(pages.dtype, value)
+        if _is_float8(pages.dtype):
+            # Indexed kernels do not take float8 dtypes everywhere: its bytes.
+            encoded = torch.tensor(constant or 0.0, dtype=torch.float32)
+            encoded = encoded.to(pages.dtype).view(torch.uint8)
+            pages, constant = pages.view(torch.uint8), int(encoded.item())
+        zeroed = constant is None and bool(value.mean)
+        return cls(pages, 0 if constant is None else constant, zeroed)
+
+    def write_(self, blocks: BlockSet) -> FillReport:
+        """Write the constant into `blocks`' pages."""
+        if not blocks.runs:
+            return FillReport(Written.NOTHING)
+        _fill_constant_runs_(self.pages, blocks.rows(), self.constant)
+        return FillReport(Written.ROWS, self.zeroed)
+
+
 def fill_group_pages_(
     pages: torch.Tensor, blocks: BlockSet, value: FillValue
 ) -> FillReport:
     """Write a constant into the blocks' pages of a ``group_pages`` view."""
-    constant = _constant_for(pages.dtype, value)
-    if _is_float8(pages.dtype):
-        # Indexed kernels do not take float8 dtypes everywhere: its bytes.
-        encoded = torch.tensor(constant or 0.0, dtype=torch.float32).to(pages.dtype)
-        pages, constant = pages.view(torch.uint8), int(encoded.view(torch.uint8).item())
-    if not blocks.runs:
-        return FillReport(Written.NOTHING)
-    _fill_constant_runs_(pages, blocks.rows(), 0 if constant is None else constant)
-    return FillReport(Written.ROWS, constant is None and bool(value.mean))
+    return PagesFill.of(pages, value).write_(blocks)
 
 
 def fill_state_blocks_(

@@ -77,6 +77,7 @@ Remove when
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,9 +89,9 @@ from vllm_kvfill_patch.fill import (
     BlockSet,
     FillReport,
     FillValue,
+    PagesFill,
     Written,
     fill_cache_blocks_,
-    fill_group_pages_,
     fill_state_blocks_,
     find_block_dim,
     group_pages,
@@ -247,10 +248,10 @@ class GroupPlan:
     caches: tuple
     """The caches it was worked out for (a cache replaced in the registered
     dict makes it stale)."""
-    pages: torch.Tensor | None
-    """The group's pages as one view (``fill.group_pages``), or None where
-    its layers are not such pages or take different values (layer by layer)."""
-    value: FillValue | None = None
+    fill: PagesFill | None
+    """The constant fill of the group's pages as one view
+    (``fill.group_pages``), or None where its layers are not such pages or
+    take different values (layer by layer)."""
 
 
 def _fill_group_at_once(
@@ -263,22 +264,24 @@ def _fill_group_at_once(
     """Fill every layer of the group with one write per run of blocks (one
     indexed write on a GPU), where its layers are pages of one buffer at a
     constant stride and take the same constant; False where not."""
-    caches = tuple(worker.kv_caches.get(name) for name in layer_names)
+    caches = tuple(map(worker.kv_caches.get, layer_names))
     plan = layout.group_plans.get(group_idx)
-    fresh = plan is None or len(plan.caches) != len(caches)
-    if plan is not None and not fresh:
-        fresh = any(a is not b for a, b in zip(plan.caches, caches, strict=True))
+    fresh = (
+        plan is None
+        or len(plan.caches) != len(caches)
+        or not all(map(operator.is_, plan.caches, caches))
+    )
     if fresh:
         plan = _group_plan(worker, layout, group_idx, layer_names, caches)
         layout.group_plans[group_idx] = plan
     assert plan is not None
-    if plan.pages is None or plan.value is None:
+    if plan.fill is None:
         return False
-    blocks = BlockSet(block_ids, plan.pages.shape[0])
-    report = fill_group_pages_(plan.pages, blocks, plan.value)
+    num_blocks = plan.fill.pages.shape[0]
+    report = plan.fill.write_(BlockSet(block_ids, num_blocks))
     if fresh:  # said once per plan, not at every step
         for name, cache in zip(layer_names, caches, strict=True):
-            _log_report(name, report, cache, plan.pages.shape[0])
+            _log_report(name, report, cache, num_blocks)
     return True
 
 
@@ -318,7 +321,8 @@ def _group_plan(
     ]
     if len(ratios) != len(caches):
         return GroupPlan(caches, None)
-    return GroupPlan(caches, group_pages(caches, num_blocks, ratios), value)
+    pages = group_pages(caches, num_blocks, ratios)
+    return GroupPlan(caches, None if pages is None else PagesFill.of(pages, value))
 
 
 def fill_value(
