@@ -13,6 +13,7 @@ requested rows may be written.
 from __future__ import annotations
 
 import enum
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -143,9 +144,10 @@ class BlockSet:
     def rows(self, ratio: int = 1) -> RowRuns:
         """The rows of these blocks where each block is `ratio` rows."""
         if ratio not in self._rows:
-            self._rows[ratio] = RowRuns(
-                [(start * ratio, length * ratio) for start, length in self.runs]
-            )
+            runs = self.runs
+            if ratio != 1:
+                runs = [(start * ratio, length * ratio) for start, length in runs]
+            self._rows[ratio] = RowRuns(runs)
         return self._rows[ratio]
 
 
@@ -392,8 +394,10 @@ def _indexed(rows: torch.Tensor, runs: RowRuns) -> bool:
     if rows.device.type != "cpu":
         # The index copy and one fill: never more kernels than a loop's.
         return len(runs.runs) > 2
-    return len(runs.runs) >= INDEXED_FILL_MIN_RUNS and rows[0].nbytes < (
-        CPU_LOOP_MIN_ROW_BYTES
+    # A row's bytes without building a view of it (a step's hot path).
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+    return len(runs.runs) >= INDEXED_FILL_MIN_RUNS and (
+        row_bytes < CPU_LOOP_MIN_ROW_BYTES
     )
 
 
