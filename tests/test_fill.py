@@ -278,24 +278,69 @@ def layers_of_one_buffer(layout: str, num_layers=3, num_blocks=12, ratio=1):
     "layout,ratio",
     [("layer-outer", 1), ("layer-outer", 2), ("heads-inner", 1), ("block-outer", 1)],
 )
+@pytest.mark.parametrize(
+    "block_ids",
+    [[2, 3, 7, 9, 11], list(range(1, 24, 2))],
+    ids=["few runs: a loop", "a run per block: one indexed write"],
+)
 def test_a_groups_pages_as_one_view_fill_the_same_bytes_as_layer_by_layer(
-    layout, ratio
+    layout, ratio, block_ids
 ):
-    blocks = fill.BlockSet([2, 3, 7, 9, 11], 12)
+    blocks = fill.BlockSet(block_ids, 24)
     value = FillValue(0.5)
-    by_group, views = layers_of_one_buffer(layout, ratio=ratio)
-    by_layer, layer_views = layers_of_one_buffer(layout, ratio=ratio)
+    by_group, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    by_layer, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
     by_layer.copy_(by_group)
     before = by_group.clone()
 
-    pages = fill.group_pages(views, 12, [ratio] * 3)
-    assert pages is not None and pages.shape[:2] == (12, 3)
+    pages = fill.group_pages(views, 24, [ratio] * 3)
+    assert pages is not None and pages.shape[:2] == (24, 3)
+    assert fill.PagesFill.of(pages, value).wide  # 16-byte words
     report = fill.fill_group_pages_(pages, blocks, value)
     for view in layer_views:
         fill.fill_cache_blocks_(view, blocks, value, 8, None)
 
     assert report.written is Written.ROWS
     assert torch.equal(by_group, by_layer) and not torch.equal(by_group, before)
+
+
+@pytest.mark.parametrize(
+    "dtype,mean,encoding",
+    [
+        (torch.bfloat16, 0.015, None),
+        (torch.float16, -3.25, None),
+        (torch.float32, 1e-30, None),
+        (torch.uint8, 0.5, torch.float8_e4m3fn),
+        (torch.int8, 0.5, None),
+    ],
+)
+def test_pages_written_as_16_byte_words_hold_the_values_bytes(dtype, mean, encoding):
+    raw = torch.randint(0, 256, (24 * 2 * 64,), dtype=torch.uint8)
+    pages = raw.view(dtype).view(24, 2, -1)
+    before = pages.clone()
+    value = FillValue(mean, 0.0, encoding)
+    assert fill.PagesFill.of(pages, value).wide
+    block_ids = list(range(1, 24, 2))
+    fill.fill_group_pages_(pages, fill.BlockSet(block_ids, 24), value)
+
+    expected = before.clone()
+    expected[block_ids] = (
+        0
+        if fill._constant_for(dtype, value) is None
+        else (fill._constant_for(dtype, value))
+    )
+    assert torch.equal(pages.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_pages_that_are_not_whole_words_are_filled_by_runs():
+    raw = torch.randint(0, 256, (24 * 3 * 10,), dtype=torch.uint8)
+    pages = raw.view(torch.bfloat16).view(24, 3, 5)  # 10-byte pages
+    before = pages.clone()
+    assert not fill.PagesFill.of(pages, FillValue(0.5)).wide
+    fill.fill_group_pages_(pages, fill.BlockSet(range(1, 24, 2), 24), FillValue(0.5))
+    expected = before.clone()
+    expected[1::2] = 0.5
+    assert torch.equal(pages.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_caches_that_are_not_pages_of_one_buffer_have_no_group_view():

@@ -261,9 +261,9 @@ def _fill_group_at_once(
     layer_names: list[str],
     block_ids: list[int],
 ) -> bool:
-    """Fill every layer of the group with one write per run of blocks (one
-    indexed write on a GPU), where its layers are pages of one buffer at a
-    constant stride and take the same constant; False where not."""
+    """Fill every layer of the group at once (one indexed write of 16-byte
+    words, or one write per run of blocks), where its layers are pages of one
+    buffer at a constant stride and take the same constant; False where not."""
     caches = tuple(map(worker.kv_caches.get, layer_names))
     plan = layout.group_plans.get(group_idx)
     fresh = (
