@@ -378,14 +378,20 @@ def _as_wide_words(
     per_word = WORD_BYTES // pages.element_size()
     if pages.element_size() * per_word != WORD_BYTES:
         return None
-    try:
-        words = pages.view(torch.complex128)
-    except RuntimeError:  # the last dim not contiguous, or not whole words
-        return None
     pattern = torch.full((per_word,), constant, dtype=pages.dtype)
     word = complex(pattern.view(torch.complex128).item())
     stored = torch.tensor([word], dtype=torch.complex128).view(torch.uint8)
     if not torch.equal(stored, pattern.view(torch.uint8)):
+        return None
+    try:
+        words = pages.view(torch.complex128)
+        # The kernel on this device, once, on a scratch word: a backend
+        # without complex128 (or its index_fill_) raises here, not in a step.
+        # No host copy, so no host synchronisation.
+        scratch = torch.empty(1, dtype=torch.complex128, device=pages.device)
+        where = torch.zeros(1, dtype=torch.long, device=pages.device)
+        scratch.index_fill_(0, where, word)
+    except (RuntimeError, TypeError):  # not whole words, or no such kernel
         return None
     return words, word
 

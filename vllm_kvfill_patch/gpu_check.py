@@ -168,19 +168,18 @@ class Step:
             len(ids) * LAYERS_PER_GROUP * page_bytes for _, _, ids, _ in self.groups
         )
         # Worked out once, as the overlay does at a group's first fill.
-        self.pages = []
-        for caches, ratio, _, _ in self.groups:
+        self.fills = []
+        for caches, ratio, _, value in self.groups:
             pages = fill.group_pages(caches, self.num_blocks, [ratio] * len(caches))
             assert pages is not None
-            self.pages.append(pages)
+            self.fills.append(fill.PagesFill.of(pages, value))
 
     def run(self) -> None:
         """The overlay's step: per group, its pages as one view, one write."""
-        for pages, (_, _, block_ids, value) in zip(
-            self.pages, self.groups, strict=True
+        for group_fill, (_, _, block_ids, _) in zip(
+            self.fills, self.groups, strict=True
         ):
-            blocks = fill.BlockSet(block_ids, self.num_blocks)
-            fill.fill_group_pages_(pages, blocks, value)
+            group_fill.write_(fill.BlockSet(block_ids, self.num_blocks))
 
 
 def check_no_sync(device: torch.device, page_bytes: int) -> bool:
