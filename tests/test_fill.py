@@ -40,6 +40,10 @@ LAYOUTS = {
     "kv-first": (lambda n, r, t: [2, n * r, t, 3], 1),  # FlashAttention <= 0.22
     "mla": (lambda n, r, t: [n * r, t, 5], 0),
     "cpu": (lambda n, r, t: [n * r, 1, t, 4], 0),
+    # Rows of whole 16-byte words for every dtype: constant fills of many runs
+    # go through complex128 views (kv-first: through the moved block dim).
+    "kv-first, words": (lambda n, r, t: [2, n * r, t, 16], 1),
+    "blocks-first, words": (lambda n, r, t: [n * r, t, 16], 0),
 }
 
 
@@ -198,11 +202,12 @@ def test_null_block_is_never_filled():
     assert not cache.any()
 
 
-@pytest.mark.parametrize("row_elements", [3, 16384], ids=["indexed", "looped"])
+@pytest.mark.parametrize("row_elements", [3, 16384], ids=["small", "32 KiB plus"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("std", [0.0, 1.0])
 def test_many_scattered_blocks(row_elements, dtype, std):
-    # Small rows take one indexed kernel, rows of 32 KiB and more a loop (CPU).
+    # Small rows take one indexed kernel; rows of 32 KiB and more a loop (CPU)
+    # unless a constant fill writes them as 16-byte words, indexed.
     cache = torch.full((64, row_elements), 1000.0, dtype=dtype)
     ids = list(range(1, 64, 2))
     fill.fill_cache_blocks_(cache, fill.BlockSet(ids, 64), FillValue(2.0, std))

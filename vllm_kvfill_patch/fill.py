@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import enum
+import functools
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
@@ -362,38 +363,53 @@ class PagesFill:
 
 
 def _as_wide_words(
-    pages: torch.Tensor, constant: float | int
+    rows: torch.Tensor, constant: float | int | complex
 ) -> tuple[torch.Tensor, complex] | None:
-    """`pages` as complex128 words and the word whose 16 bytes repeat
-    `constant` in the pages' dtype, or None where the pages do not divide
-    into aligned words or the word would not store those bytes exactly.
+    """`rows` as complex128 words and the word whose 16 bytes repeat
+    `constant` in the rows' dtype, or None where the rows do not divide into
+    aligned words or the device cannot write such a word exactly.
 
     An indexed kernel costs per element: on 16-byte elements it writes
     scattered pages near memset speed (1,250 scattered blocks of 12 x 4
     KiB: 1.8x a memset of the bytes, against 4.9x for a loop of slice fills
-    and 3.4x for ``index_fill_`` on int64 words; two threads). Only moves
-    store the word, no arithmetic: the bytes are the pattern's, checked once
-    here.
+    and 3.4x for ``index_fill_`` on int64 words; two threads).
     """
-    per_word = WORD_BYTES // pages.element_size()
-    if pages.element_size() * per_word != WORD_BYTES:
+    if rows.dtype == torch.complex128:
+        return None  # words already
+    word = _word_for(rows.dtype, constant, rows.device)
+    if word is None:
         return None
-    pattern = torch.full((per_word,), constant, dtype=pages.dtype)
+    try:
+        return rows.view(torch.complex128), word
+    except RuntimeError:  # the last dim not contiguous, or not whole words
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _word_for(
+    dtype: torch.dtype, constant: float | int | complex, device: torch.device
+) -> complex | None:
+    """The complex128 word repeating `constant` as `dtype`, where `device`
+    writes it with ``index_fill_`` and the word stores exactly those bytes
+    (only moves store it, no arithmetic: checked once per value here)."""
+    per_word = WORD_BYTES // dtype.itemsize
+    if dtype.itemsize * per_word != WORD_BYTES or dtype.is_complex:
+        return None
+    pattern = torch.full((per_word,), constant, dtype=dtype)
     word = complex(pattern.view(torch.complex128).item())
     stored = torch.tensor([word], dtype=torch.complex128).view(torch.uint8)
     if not torch.equal(stored, pattern.view(torch.uint8)):
         return None
     try:
-        words = pages.view(torch.complex128)
-        # The kernel on this device, once, on a scratch word: a backend
-        # without complex128 (or its index_fill_) raises here, not in a step.
-        # No host copy, so no host synchronisation.
-        scratch = torch.empty(1, dtype=torch.complex128, device=pages.device)
-        where = torch.zeros(1, dtype=torch.long, device=pages.device)
+        # The kernel on this device, on a scratch word: a backend without
+        # complex128 (or its index_fill_) says so here, not in a step. No
+        # host copy, so no host synchronisation.
+        scratch = torch.empty(1, dtype=torch.complex128, device=device)
+        where = torch.zeros(1, dtype=torch.long, device=device)
         scratch.index_fill_(0, where, word)
-    except (RuntimeError, TypeError):  # not whole words, or no such kernel
+    except (RuntimeError, TypeError):
         return None
-    return words, word
+    return word
 
 
 def fill_group_pages_(
@@ -461,6 +477,10 @@ def _is_float8(dtype: torch.dtype | None) -> bool:
 def _fill_constant_runs_(
     rows: torch.Tensor, runs: RowRuns, constant: float | int | complex
 ) -> None:
+    if _indexed(rows, runs, wide=True):
+        wide = _as_wide_words(rows, constant)
+        if wide is not None:
+            rows, constant = wide
     if _indexed(rows, runs):
         rows.index_fill_(0, runs.index(rows.device), constant)
     else:
@@ -468,8 +488,9 @@ def _fill_constant_runs_(
             rows[start : start + length].fill_(constant)
 
 
-def _indexed(rows: torch.Tensor, runs: RowRuns) -> bool:
-    """Whether one indexed kernel should fill these runs, not a loop."""
+def _indexed(rows: torch.Tensor, runs: RowRuns, wide: bool = False) -> bool:
+    """Whether one indexed kernel should fill these runs, not a loop (with
+    `wide`: were the rows 16-byte words)."""
     if rows.device.type != "cpu":
         # The index copy and one fill: never more kernels than a loop's.
         return len(runs.runs) > 2
@@ -479,7 +500,8 @@ def _indexed(rows: torch.Tensor, runs: RowRuns) -> bool:
     # the rows; on narrower elements only for small rows. A row's bytes
     # without building a view of it (a step's hot path).
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    return rows.element_size() >= WORD_BYTES or row_bytes < CPU_LOOP_MIN_ROW_BYTES
+    words = wide or rows.element_size() >= WORD_BYTES
+    return words or row_bytes < CPU_LOOP_MIN_ROW_BYTES
 
 
 def _fill_random_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:
