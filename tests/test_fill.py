@@ -191,8 +191,23 @@ def test_row_index_lists_every_row_of_the_runs_once_in_order(block_ids, ratio):
 
 
 def test_block_runs_normalise_ids():
-    assert fill.block_runs([5, 3, 4, 4, 9, -1, 0, 12, 10], 11) == [(3, 3), (9, 2)]
-    assert fill.block_runs([], 11) == []
+    blocks = fill.BlockSet([5, 3, 4, 4, 9, -1, 0, 12, 10], 11)
+    assert blocks.ids == [3, 4, 5, 9, 10]
+    assert blocks.runs == [(3, 3), (9, 2)]
+    assert fill.BlockSet([], 11).runs == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_rows_of_one_element_are_not_merged_into_words(dtype):
+    # A state of one value per block: 16-byte words would span blocks.
+    raw = torch.randint(0, 256, (64 * dtype.itemsize,), dtype=torch.uint8)
+    state = raw.view(dtype)
+    before = state.clone()
+    ids = list(range(1, 64, 2))
+    fill.fill_state_blocks_([state], fill.BlockSet(ids, 64), FillValue(2.0))
+    expected = before.clone()
+    expected[ids] = 0 if dtype == torch.uint8 else 2.0
+    assert torch.equal(state.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_null_block_is_never_filled():

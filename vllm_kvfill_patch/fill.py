@@ -94,12 +94,6 @@ def valid_block_ids(block_ids: Iterable[int], num_blocks: int) -> list[int]:
     return ids[bisect_right(ids, NULL_BLOCK_ID) : bisect_left(ids, num_blocks)]
 
 
-def block_runs(block_ids: Iterable[int], num_blocks: int) -> list[tuple[int, int]]:
-    """Sort valid ids (`valid_block_ids`) into `(start, length)` runs of
-    consecutive blocks."""
-    return _runs_of(valid_block_ids(block_ids, num_blocks))
-
-
 def _runs_of(ids: list[int]) -> list[tuple[int, int]]:
     if not ids:
         return []
@@ -269,9 +263,9 @@ def group_pages(
     ``view[b, l]`` is layer ``l``'s block ``b``, and one fill of the view's
     rows writes every layer of the group: exactly the bytes filling layer by
     layer writes, in one indexed kernel (`PagesFill`) or one kernel per run
-    of blocks instead of one per layer. None where the caches are not such pages: other
-    dtypes or storages, a block dimension that is not dim 0, padded or
-    interleaved kernel rows, offsets not in arithmetic progression.
+    of blocks instead of one per layer. None where the caches are not such
+    pages: other dtypes or storages, a block dimension that is not dim 0,
+    padded or interleaved kernel rows, offsets not in arithmetic progression.
     """
     if not caches:
         return None
@@ -374,8 +368,8 @@ def _as_wide_words(
     KiB: 1.8x a memset of the bytes, against 4.9x for a loop of slice fills
     and 3.4x for ``index_fill_`` on int64 words; two threads).
     """
-    if rows.dtype == torch.complex128:
-        return None  # words already
+    if rows.dim() < 2 or rows.dtype == torch.complex128:
+        return None  # rows of one element would merge into words; words already
     word = _word_for(rows.dtype, constant, rows.device)
     if word is None:
         return None
