@@ -92,6 +92,20 @@ def check_worker_fills(trace: Trace, pid: int) -> int:
     return total
 
 
+def admissions(steps: list[dict]) -> dict[str, list[int]]:
+    """Per request, the tokens computed in the step that admitted it and in
+    each step that resumed it after a preemption."""
+    admitted: dict[str, list[int]] = {}
+    waiting: set[str] = set()
+    for step in steps:
+        waiting.update(step["preempted"])
+        for request_id, tokens in step["scheduled"].items():
+            if request_id not in admitted or request_id in waiting:
+                admitted.setdefault(request_id, []).append(tokens)
+                waiting.discard(request_id)
+    return admitted
+
+
 SHARED_PREFIX = {"prefix": 256, "prompt": 500, "requests": 2}
 """Two prompts of a dense model (``engine_probe.write_tiny_dense_model``)
 sharing their first 256 tokens, admitted one after the other."""

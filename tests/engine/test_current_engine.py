@@ -10,6 +10,7 @@ import pytest
 
 from tests.engine.helpers import (
     SHARED_PREFIX,
+    admissions,
     check_a_prefix_hit_fills_only_after_it,
     check_every_step_filled_exactly_its_blocks,
     run_probe,
@@ -67,20 +68,6 @@ def run_under_preemption(
     }
     report = run_probe(options, env=env, may_die=True)
     return report, [json.loads(line) for line in log.read_text().splitlines()]
-
-
-def admissions(steps: list[dict]) -> dict[str, list[int]]:
-    """Per request, the tokens computed in the step that admitted it and in
-    each step that resumed it after a preemption."""
-    admitted: dict[str, list[int]] = {}
-    waiting: set[str] = set()
-    for step in steps:
-        waiting.update(step["preempted"])
-        for request_id, tokens in step["scheduled"].items():
-            if request_id not in admitted or request_id in waiting:
-                admitted.setdefault(request_id, []).append(tokens)
-                waiting.discard(request_id)
-    return admitted
 
 
 def beyond_one_token(steps: list[dict]) -> int:

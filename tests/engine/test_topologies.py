@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.engine.engine_probe import write_tiny_lfm2
 from tests.engine.helpers import (
+    admissions,
     check_processes,
     check_worker_fills,
     complete,
@@ -25,7 +26,6 @@ from tests.engine.helpers import (
     serve_command,
     wait_until_healthy,
 )
-from tests.engine.test_current_engine import admissions
 from tests.engine.trace import Trace, topology_env
 
 PREEMPTION = {"num_gpu_blocks": 12, "requests": 8, "prompt": 120, "output": 40}
