@@ -294,6 +294,12 @@ def layers_of_one_buffer(layout: str, num_layers=3, num_blocks=12, ratio=1):
     return raw, views
 
 
+def written_as_words(pages, value) -> bool:
+    """Whether a constant fill of a group view goes through 16-byte words."""
+    group_fill = fill.PagesFill.of(pages, value)
+    return fill._as_wide_words(group_fill.pages, group_fill.constant) is not None
+
+
 @pytest.mark.parametrize(
     "layout,ratio",
     [("layer-outer", 1), ("layer-outer", 2), ("heads-inner", 1), ("block-outer", 1)],
@@ -315,7 +321,7 @@ def test_a_groups_pages_as_one_view_fill_the_same_bytes_as_layer_by_layer(
 
     pages = fill.group_pages(views, 24, [ratio] * 3)
     assert pages is not None and pages.shape[:2] == (24, 3)
-    assert fill.PagesFill.of(pages, value).wide  # 16-byte words
+    assert written_as_words(pages, value)
     report = fill.fill_group_pages_(pages, blocks, value)
     for view in layer_views:
         fill.fill_cache_blocks_(view, blocks, value, 8, None)
@@ -339,7 +345,7 @@ def test_pages_written_as_16_byte_words_hold_the_values_bytes(dtype, mean, encod
     pages = raw.view(dtype).view(24, 2, -1)
     before = pages.clone()
     value = FillValue(mean, 0.0, encoding)
-    assert fill.PagesFill.of(pages, value).wide
+    assert written_as_words(pages, value)
     block_ids = list(range(1, 24, 2))
     fill.fill_group_pages_(pages, fill.BlockSet(block_ids, 24), value)
 
@@ -356,7 +362,7 @@ def test_pages_that_are_not_whole_words_are_filled_by_runs():
     raw = torch.randint(0, 256, (24 * 3 * 10,), dtype=torch.uint8)
     pages = raw.view(torch.bfloat16).view(24, 3, 5)  # 10-byte pages
     before = pages.clone()
-    assert not fill.PagesFill.of(pages, FillValue(0.5)).wide
+    assert not written_as_words(pages, FillValue(0.5))
     fill.fill_group_pages_(pages, fill.BlockSet(range(1, 24, 2), 24), FillValue(0.5))
     expected = before.clone()
     expected[1::2] = 0.5

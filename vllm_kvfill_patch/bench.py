@@ -400,14 +400,9 @@ def step_row(
     limit = measure(step_limit(worker, reqs, mean), device, repeats, peak=False)
     step = measure(lambda: fill_step(worker, layout, reqs), device, repeats, peak=False)
     by_request = measure(per_request, device, max(1, repeats // 4), peak=False)
-    upstream = Measured(None, None, "not run")
-    if requests <= UPSTREAM_MAX_REQUESTS:
-        upstream = measure(
-            lambda: upstream_fill_kv(worker, metadata),
-            device,
-            1 if requests > 16 else repeats,
-            peak=False,
-        )
+    upstream = upstream_step(
+        lambda: upstream_fill_kv(worker, metadata), requests, device, repeats
+    )
     limit_s, step_s, by_request_s = (seconds(m) for m in (limit, step, by_request))
     vs_upstream = "-" if upstream.seconds is None else upstream.seconds / step_s
     cells = [
@@ -551,14 +546,9 @@ def allocated_row(
     overlay = measure(
         lambda: fill_step(worker, layout, reqs), device, repeats, peak=False
     )
-    upstream = Measured(None, None, "not run")
-    if requests <= UPSTREAM_MAX_REQUESTS:
-        upstream = measure(
-            lambda: upstream_fill_kv(worker, metadata),
-            device,
-            1 if requests > 16 else repeats,
-            peak=False,
-        )
+    upstream = upstream_step(
+        lambda: upstream_fill_kv(worker, metadata), requests, device, repeats
+    )
     memset_s, indexed_s, overlay_s = (seconds(m) for m in (memset, indexed, overlay))
     vs_upstream = (
         "-" if upstream.seconds is None else f"{upstream.seconds / overlay_s:.1f}x"
@@ -575,6 +565,16 @@ def allocated_row(
         vs_upstream,
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def upstream_step(
+    call: Callable[[], None], requests: int, device: torch.device, repeats: int
+) -> Measured:
+    """Upstream's step: not run above UPSTREAM_MAX_REQUESTS, run once above
+    16 requests (one run takes seconds there)."""
+    if requests > UPSTREAM_MAX_REQUESTS:
+        return Measured(None, None, "not run")
+    return measure(call, device, 1 if requests > 16 else repeats, peak=False)
 
 
 def load_module_file(name: str, path: str | None) -> ModuleType | None:

@@ -50,7 +50,7 @@ runs of single blocks (one thread; with two, 5.8 against 11 ms)."""
 
 WORD_BYTES = 16
 """The widest element an indexed kernel writes (complex128): constant fills
-of whole pages go through views of such words (`PagesFill`)."""
+go through views of such words where rows divide into them."""
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,8 @@ def group_pages(
     to each other where the cache is split `ratio` ways). Then
     ``view[b, l]`` is layer ``l``'s block ``b``, and one fill of the view's
     rows writes every layer of the group: exactly the bytes filling layer by
-    layer writes, in one indexed kernel (`PagesFill`) or one kernel per run
-    of blocks instead of one per layer. None where the caches are not such
+    layer writes, in one indexed kernel or one kernel per run of blocks
+    instead of one per layer. None where the caches are not such
     pages: other dtypes or storages, a block dimension that is not dim 0,
     padded or interleaved kernel rows, offsets not in arithmetic progression.
     """
@@ -326,12 +326,9 @@ class PagesFill:
     and scalar it writes), so that a step only picks its blocks."""
 
     pages: torch.Tensor
-    constant: float | int | complex
+    constant: float | int
     zeroed: bool
     """Zeros are written because the dtype cannot hold the value."""
-    wide: bool = False
-    """`pages` are viewed as 16-byte words, `constant` the word repeating
-    the value's bytes: one indexed kernel then writes a word per element."""
 
     @classmethod
     def of(cls, pages: torch.Tensor, value: FillValue) -> PagesFill:
@@ -342,11 +339,7 @@ class PagesFill:
             encoded = encoded.to(pages.dtype).view(torch.uint8)
             pages, constant = pages.view(torch.uint8), int(encoded.item())
         zeroed = constant is None and bool(value.mean)
-        constant = 0 if constant is None else constant
-        wide = _as_wide_words(pages, constant)
-        if wide is not None:
-            return cls(*wide, zeroed, wide=True)
-        return cls(pages, constant, zeroed)
+        return cls(pages, 0 if constant is None else constant, zeroed)
 
     def write_(self, blocks: BlockSet) -> FillReport:
         """Write the constant into `blocks`' pages."""
@@ -357,7 +350,7 @@ class PagesFill:
 
 
 def _as_wide_words(
-    rows: torch.Tensor, constant: float | int | complex
+    rows: torch.Tensor, constant: float | int
 ) -> tuple[torch.Tensor, complex] | None:
     """`rows` as complex128 words and the word whose 16 bytes repeat
     `constant` in the rows' dtype, or None where the rows do not divide into
@@ -368,8 +361,8 @@ def _as_wide_words(
     KiB: 1.8x a memset of the bytes, against 4.9x for a loop of slice fills
     and 3.4x for ``index_fill_`` on int64 words; two threads).
     """
-    if rows.dim() < 2 or rows.dtype == torch.complex128:
-        return None  # rows of one element would merge into words; words already
+    if rows.dim() < 2:
+        return None  # rows of one element would merge into words
     word = _word_for(rows.dtype, constant, rows.device)
     if word is None:
         return None
@@ -381,13 +374,13 @@ def _as_wide_words(
 
 @functools.lru_cache(maxsize=256)
 def _word_for(
-    dtype: torch.dtype, constant: float | int | complex, device: torch.device
+    dtype: torch.dtype, constant: float | int, device: torch.device
 ) -> complex | None:
     """The complex128 word repeating `constant` as `dtype`, where `device`
     writes it with ``index_fill_`` and the word stores exactly those bytes
     (only moves store it, no arithmetic: checked once per value here)."""
     per_word = WORD_BYTES // dtype.itemsize
-    if dtype.itemsize * per_word != WORD_BYTES or dtype.is_complex:
+    if dtype.itemsize * per_word != WORD_BYTES:
         return None
     pattern = torch.full((per_word,), constant, dtype=dtype)
     word = complex(pattern.view(torch.complex128).item())
@@ -469,22 +462,22 @@ def _is_float8(dtype: torch.dtype | None) -> bool:
 
 
 def _fill_constant_runs_(
-    rows: torch.Tensor, runs: RowRuns, constant: float | int | complex
+    rows: torch.Tensor, runs: RowRuns, constant: float | int
 ) -> None:
-    if _indexed(rows, runs, wide=True):
-        wide = _as_wide_words(rows, constant)
-        if wide is not None:
-            rows, constant = wide
-    if _indexed(rows, runs):
+    words = _as_wide_words(rows, constant) if _indexed(rows, runs, True) else None
+    if words is not None:
+        rows_as_words, word = words
+        rows_as_words.index_fill_(0, runs.index(rows.device), word)
+    elif _indexed(rows, runs):
         rows.index_fill_(0, runs.index(rows.device), constant)
     else:
         for start, length in runs.runs:
             rows[start : start + length].fill_(constant)
 
 
-def _indexed(rows: torch.Tensor, runs: RowRuns, wide: bool = False) -> bool:
-    """Whether one indexed kernel should fill these runs, not a loop (with
-    `wide`: were the rows 16-byte words)."""
+def _indexed(rows: torch.Tensor, runs: RowRuns, as_words: bool = False) -> bool:
+    """Whether one indexed kernel should fill these runs, not a loop
+    (`as_words`: the rows written as 16-byte words)."""
     if rows.device.type != "cpu":
         # The index copy and one fill: never more kernels than a loop's.
         return len(runs.runs) > 2
@@ -494,8 +487,7 @@ def _indexed(rows: torch.Tensor, runs: RowRuns, wide: bool = False) -> bool:
     # the rows; on narrower elements only for small rows. A row's bytes
     # without building a view of it (a step's hot path).
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    words = wide or rows.element_size() >= WORD_BYTES
-    return words or row_bytes < CPU_LOOP_MIN_ROW_BYTES
+    return as_words or row_bytes < CPU_LOOP_MIN_ROW_BYTES
 
 
 def _fill_random_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:
