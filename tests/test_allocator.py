@@ -43,6 +43,14 @@ def compressed_mla(block_size: int):
     )
 
 
+def three_group_hybrid(mamba, prefix: str = "l") -> dict:
+    """Two attention layers and four Mamba layers: vLLM plans one attention
+    group and two Mamba groups, all three overlaid on the same pages (the
+    two Mamba groups' identical)."""
+    layers = {f"{prefix}{i}.attn": attention(block_size=64) for i in range(2)}
+    return layers | {f"{prefix}{i}.mamba": mamba for i in range(2, 6)}
+
+
 def cases() -> dict:
     """name: (layer specs, kernel block size per group or None, cache dtype)."""
     from vllm.v1.kv_cache_interface import (
@@ -86,6 +94,7 @@ def cases() -> dict:
             None,
         ),
         "hybrid": ({"l0.attn": attention(block_size=64), "l1.mamba": mamba}, None),
+        "hybrid, three groups": (three_group_hybrid(mamba), None),
         # A compressor's ring: upstream (and so the overlay) writes zeros.
         "circular": (
             {
@@ -344,3 +353,55 @@ def test_a_host_pool_with_more_blocks_is_filled_by_its_own_count(base_config):
     expected_views["l1.host"][[5, 20, 39]] = MEAN
     start_fill(connector, {"r": (([2, 3], [5, 20, 39, 40]), 48)})
     assert torch.equal(buffer, expected)
+
+
+def test_groups_whose_pages_are_the_same_memory_are_written_in_one_go(
+    base_config, vllm_log, monkeypatch
+):
+    """vLLM overlays a hybrid's groups on one buffer, so groups of one spec
+    have the same pages: a step writes the union of their blocks at once
+    (the same bytes as group by group), and says once per group, not per
+    layer, that their int8 pages take zeros."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vllm_kvfill_patch import fill
+
+    # Layer names of its own: vLLM says a warning once per process.
+    specs = three_group_hybrid(cases()["hybrid"][0]["l1.mamba"], prefix="own")
+    config, kv_cache_config, caches = allocated(
+        base_config, specs, None, KVCacheLayout.LBNHC
+    )
+    groups = [group.layer_names for group in kv_cache_config.kv_cache_groups]
+    assert groups == [
+        ["own0.attn", "own1.attn"],
+        ["own2.mamba", "own4.mamba"],
+        ["own3.mamba", "own5.mamba"],
+    ]
+    assert caches["own2.mamba"].data_ptr() == caches["own3.mamba"].data_ptr()
+    writes = []
+    original = fill.PagesFill.write_
+
+    def counted(pages_fill, blocks):
+        writes.append((pages_fill, blocks.ids))
+        return original(pages_fill, blocks)
+
+    monkeypatch.setattr(fill.PagesFill, "write_", counted)
+    buffer = backing_buffer(caches)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
+    connector = DecodeBenchConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    connector.register_kv_caches(caches)
+    ids_by_group = [[1, 2, 9], [3, 7], [4, 8]]
+    expected = expected_after(
+        buffer, caches, kv_cache_config, connector.connector_worker, ids_by_group
+    )
+    start_fill(connector, {"r": (tuple(ids_by_group), 48)})
+
+    assert torch.equal(buffer, expected)
+    assert [ids for _, ids in writes] == [[1, 2, 9], [3, 4, 7, 8]]
+    zeroed = [r.getMessage() for r in vllm_log if "integer caches" in r.getMessage()]
+    assert len(zeroed) == 2, zeroed
+    assert "group 1" in zeroed[0] and "2 layers, own2.mamba ... own4.mamba" in zeroed[0]

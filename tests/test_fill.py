@@ -190,6 +190,14 @@ def test_row_index_lists_every_row_of_the_runs_once_in_order(block_ids, ratio):
     assert rows.num_rows == len(expected)
 
 
+@settings(max_examples=100, deadline=None)
+@given(block_ids=block_id_lists, count=st.integers(min_value=0, max_value=12))
+def test_has_runs_counts_as_far_as_asked(block_ids, count):
+    rows = fill.BlockSet(block_ids, 30).rows()
+    assert rows.has_runs(count) == (len(fill.BlockSet(block_ids, 30).runs) >= count)
+    assert rows.has_runs(count) == (len(rows.runs) >= count)  # runs worked out
+
+
 def test_block_runs_normalise_ids():
     blocks = fill.BlockSet([5, 3, 4, 4, 9, -1, 0, 12, 10], 11)
     assert blocks.ids == [3, 4, 5, 9, 10]
@@ -296,8 +304,7 @@ def layers_of_one_buffer(layout: str, num_layers=3, num_blocks=12, ratio=1):
 
 def written_as_words(pages, value) -> bool:
     """Whether a constant fill of a group view goes through 16-byte words."""
-    group_fill = fill.PagesFill.of(pages, value)
-    return fill._as_wide_words(group_fill.pages, group_fill.constant) is not None
+    return fill.PagesFill.of(pages, value).words is not None
 
 
 @pytest.mark.parametrize(
@@ -328,6 +335,21 @@ def test_a_groups_pages_as_one_view_fill_the_same_bytes_as_layer_by_layer(
 
     assert report.written is Written.ROWS
     assert torch.equal(by_group, by_layer) and not torch.equal(by_group, before)
+
+
+@pytest.mark.parametrize("layout,block_dim", [("layer-outer", 1), ("block-outer", 0)])
+def test_words_are_indexed_in_memory_order(layout, block_dim):
+    """The indexed kernel walks the view's dims in order: layers outermost
+    where each layer is one region (layer-outer), blocks where each block
+    holds every layer (block-outer)."""
+    _, views = layers_of_one_buffer(layout, num_blocks=12)
+    pages = fill.group_pages(views, 12, [1, 1, 1])
+    assert pages is not None
+    words = fill.PagesFill.of(pages, FillValue(0.5)).words
+    assert words is not None
+    view, dim, _ = words
+    assert list(view.stride()) == sorted(view.stride(), reverse=True)
+    assert dim == block_dim and view.shape[dim] == 12
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ to itself, so neither vLLM nor an installed package is needed. It builds
 caches the way vLLM 0.33's allocator lays them out (one int8 backing buffer;
 per layer a ``[B, H, N, C]`` view, layer-outer, pages dense; attention split
 into kernel blocks; Mamba layers as int8 pages), fills a scheduler step the
-way the overlay does (per group: the layers' pages as one view, one write),
-and checks:
+way the overlay does (per group: the layers' pages as one view, one write;
+groups over the same pages written together), and checks:
 
 - bytes: every case (bf16 kernel-split, float8 dtype, fp8 stored as uint8,
   int8 pages, compressed states) filled on the device equals the same fill
@@ -167,19 +167,21 @@ class Step:
         self.filled_bytes = sum(
             len(ids) * LAYERS_PER_GROUP * page_bytes for _, _, ids, _ in self.groups
         )
-        # Worked out once, as the overlay does at a group's first fill.
-        self.fills = []
-        for caches, ratio, _, value in self.groups:
+        # Worked out once, as the overlay does at a group's first fill; the
+        # groups whose pages are the same memory, written alike (the three
+        # linear-attention groups), share one write of their blocks' union.
+        self.writes: dict[tuple, tuple] = {}
+        for caches, ratio, block_ids, value in self.groups:
             pages = fill.group_pages(caches, self.num_blocks, [ratio] * len(caches))
             assert pages is not None
-            self.fills.append(fill.PagesFill.of(pages, value))
+            pages_fill = fill.PagesFill.of(pages, value)
+            _, union = self.writes.setdefault(pages_fill.writes, (pages_fill, []))
+            union.extend(block_ids)
 
     def run(self) -> None:
-        """The overlay's step: per group, its pages as one view, one write."""
-        for group_fill, (_, _, block_ids, _) in zip(
-            self.fills, self.groups, strict=True
-        ):
-            group_fill.write_(fill.BlockSet(block_ids, self.num_blocks))
+        """The overlay's step: each distinct pages view, one write."""
+        for pages_fill, block_ids in self.writes.values():
+            pages_fill.write_(fill.BlockSet(block_ids, self.num_blocks))
 
 
 def check_no_sync(device: torch.device, page_bytes: int) -> bool:

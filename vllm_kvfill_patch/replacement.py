@@ -128,8 +128,27 @@ class CacheLayout:
     raw_layers: frozenset[str] = frozenset()
     """Layers registered as the raw backing buffer (0.33 specs without layer
     views, HiSparse): no block rows to fill, for upstream or for us."""
-    group_plans: dict[int, GroupPlan] = field(default_factory=dict)
+    pages_fills: PagesFills = field(default_factory=lambda: PagesFills())
     """Per group, how it is filled at once, if it can be."""
+
+
+@dataclass
+class PagesFills:
+    """Per group, the fill of all its layers' pages at once (None: layer by
+    layer), worked out at its first fill, for the caches it was worked out
+    for: a cache replaced in the registered dict starts them over."""
+
+    caches: tuple = ()
+    by_group: dict[int, PagesFill | None] = field(default_factory=dict)
+
+    def current(self, kv_caches: dict) -> dict[int, PagesFill | None]:
+        """The fills still right for `kv_caches` (checked once per step)."""
+        caches = tuple(kv_caches.values())
+        if len(caches) != len(self.caches) or not all(
+            map(operator.is_, caches, self.caches)
+        ):
+            self.caches, self.by_group = caches, {}
+        return self.by_group
 
 
 def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
@@ -171,14 +190,41 @@ def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:
     block ids over every request the step admits, each layer and state
     tensor of the group filled once. The same rows as filling request by
     request (ids are sets of rows), at a cost that does not grow with the
-    number of requests beyond the rows themselves.
+    number of requests beyond the rows themselves. Groups whose pages are
+    the same memory and take the same bytes (vLLM 0.33's groups of one spec
+    overlay one buffer, each owning its own blocks of it) are written in one
+    go, with the union of their blocks.
     """
+    num_blocks = _num_blocks(worker, layout)
+    if num_blocks is None:
+        return
     block_ids_by_group: dict[int, list[int]] = {}
     for block_ids_per_group, _num_tokens in requests.values():
         for group_idx, block_ids in enumerate(block_ids_per_group):
             block_ids_by_group.setdefault(group_idx, []).extend(block_ids)
+    # Consecutive groups that share a pages fill are written as one; the
+    # groups stay in order (the same bytes as group by group).
+    fills = layout.pages_fills.current(worker.kv_caches)
+    pending: PagesFill | None = None
+    pending_ids: list[int] = []
     for group_idx, block_ids in block_ids_by_group.items():
-        fill_group(worker, layout, group_idx, block_ids)
+        if not block_ids:
+            continue
+        if group_idx in fills:
+            pages_fill = fills[group_idx]
+        else:
+            pages_fill = fills[group_idx] = _pages_fill(worker, layout, group_idx)
+        if pending is not None and pages_fill is not pending:
+            pending.write_(BlockSet(pending_ids, pending.num_blocks))
+            pending = None
+        if pages_fill is None:
+            _fill_layer_by_layer(worker, layout, group_idx, block_ids, num_blocks)
+        elif pending is None:
+            pending, pending_ids = pages_fill, list(block_ids)
+        else:
+            pending_ids.extend(block_ids)
+    if pending is not None:
+        pending.write_(BlockSet(pending_ids, pending.num_blocks))
     logger.debug(
         "vllm-kvfill-patch: filled %d requests' blocks in %d groups in one step",
         len(requests),
@@ -189,23 +235,48 @@ def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:
 def fill_group(
     worker: Any, layout: CacheLayout, group_idx: int, block_ids: list[int]
 ) -> None:
-    """Fill `block_ids` in every layer of group `group_idx`, in place."""
-    if not block_ids or not worker.kv_caches:
+    """Fill `block_ids` in every layer of group `group_idx`, in place, as a
+    step fills the group."""
+    num_blocks = _num_blocks(worker, layout)
+    if num_blocks is None or not block_ids:
         return
+    fills = layout.pages_fills.current(worker.kv_caches)
+    if group_idx not in fills:
+        fills[group_idx] = _pages_fill(worker, layout, group_idx)
+    pages_fill = fills[group_idx]
+    if pages_fill is None:
+        _fill_layer_by_layer(worker, layout, group_idx, block_ids, num_blocks)
+    else:
+        pages_fill.write_(BlockSet(block_ids, pages_fill.num_blocks))
+
+
+def _num_blocks(worker: Any, layout: CacheLayout) -> int | None:
+    """The block count of the worker's caches, None where there is nothing
+    to fill (said once where the count is unknown)."""
+    if not worker.kv_caches:
+        return None
     if layout.num_blocks is None:
         logger.warning_once(
             "vllm-kvfill-patch: the KV-cache block count is unknown (no "
             "KV-cache config, cache_config.num_gpu_blocks unset); not filling"
         )
-        return
-    layer_names = layout.group_to_layers.get(group_idx, [])
-    if _fill_group_at_once(worker, layout, group_idx, layer_names, block_ids):
-        return
+    return layout.num_blocks
+
+
+def _fill_layer_by_layer(
+    worker: Any,
+    layout: CacheLayout,
+    group_idx: int,
+    block_ids: list[int],
+    num_blocks: int,
+) -> None:
+    """Fill `block_ids` in each layer of the group, a pool of `num_blocks`
+    blocks unless the layout says otherwise."""
     # One block set per pool size (almost always one per group), shared by
     # every layer of the group.
     block_sets: dict[int, BlockSet] = {}
     block_size = layout.block_sizes.get(group_idx)
-    for layer_name in layer_names:
+    for layer_name in layout.group_to_layers.get(group_idx, []):
         if layer_name in layout.raw_layers:
             logger.warning_once(
                 "vllm-kvfill-patch: layer %s is registered as the raw KV-cache "
@@ -214,24 +285,24 @@ def fill_group(
                 layer_name,
             )
             continue
-        num_blocks = layout.layer_blocks.get(layer_name, layout.num_blocks)
-        if num_blocks not in block_sets:
-            block_sets[num_blocks] = BlockSet(block_ids, num_blocks)
-        blocks = block_sets[num_blocks]
-        if not blocks.runs:
+        pool_blocks = layout.layer_blocks.get(layer_name, num_blocks)
+        if pool_blocks not in block_sets:
+            block_sets[pool_blocks] = BlockSet(block_ids, pool_blocks)
+        blocks = block_sets[pool_blocks]
+        if not blocks.ids:
             continue
         cache = worker.kv_caches.get(layer_name)
         value = fill_value(worker, layout, group_idx, layer_name)
         if isinstance(cache, torch.Tensor):
             states_of = layout.states_of.get(layer_name)
             report = fill_cache_blocks_(cache, blocks, value, block_size, states_of)
-            _log_report(layer_name, report, cache, num_blocks)
+            _log_report(layer_name, report, cache, pool_blocks)
         elif isinstance(cache, (list, tuple)) and all(
             isinstance(state, torch.Tensor) for state in cache
         ):
             reports = fill_state_blocks_(cache, blocks, value)
             for state, report in zip(cache, reports, strict=True):
-                _log_report(layer_name, report, state, num_blocks)
+                _log_report(layer_name, report, state, pool_blocks)
         else:
             logger.warning_once(
                 "vllm-kvfill-patch: layer %s has a KV cache of type %s, not a "
@@ -241,57 +312,14 @@ def fill_group(
             )
 
 
-@dataclass(frozen=True)
-class GroupPlan:
-    """How a group is filled at once, worked out at its first fill."""
-
-    caches: tuple
-    """The caches it was worked out for (a cache replaced in the registered
-    dict makes it stale)."""
-    fill: PagesFill | None
-    """The constant fill of the group's pages as one view
-    (``fill.group_pages``), or None where its layers are not such pages or
-    take different values (layer by layer)."""
-
-
-def _fill_group_at_once(
-    worker: Any,
-    layout: CacheLayout,
-    group_idx: int,
-    layer_names: list[str],
-    block_ids: list[int],
-) -> bool:
-    """Fill every layer of the group at once (one indexed write of 16-byte
-    words, or one write per run of blocks), where its layers are pages of one
-    buffer at a constant stride and take the same constant; False where not."""
-    caches = tuple(map(worker.kv_caches.get, layer_names))
-    plan = layout.group_plans.get(group_idx)
-    fresh = (
-        plan is None
-        or len(plan.caches) != len(caches)
-        or not all(map(operator.is_, plan.caches, caches))
-    )
-    if fresh:
-        plan = _group_plan(worker, layout, group_idx, layer_names, caches)
-        layout.group_plans[group_idx] = plan
-    assert plan is not None
-    if plan.fill is None:
-        return False
-    num_blocks = plan.fill.pages.shape[0]
-    report = plan.fill.write_(BlockSet(block_ids, num_blocks))
-    if fresh:  # said once per plan, not at every step
-        for name, cache in zip(layer_names, caches, strict=True):
-            _log_report(name, report, cache, num_blocks)
-    return True
-
-
-def _group_plan(
-    worker: Any,
-    layout: CacheLayout,
-    group_idx: int,
-    layer_names: list[str],
-    caches: tuple,
-) -> GroupPlan:
+def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill | None:
+    """The fill of every layer of the group at once (one indexed write of
+    16-byte words, or one write per run of blocks), where its layers are
+    pages of one buffer at a constant stride and take the same constant;
+    None where not. A group whose pages another group writes alike shares
+    that group's fill."""
+    layer_names = layout.group_to_layers.get(group_idx, [])
+    caches = [worker.kv_caches.get(name) for name in layer_names]
     layer_blocks = {
         layout.layer_blocks.get(name, layout.num_blocks) for name in layer_names
     }
@@ -303,10 +331,10 @@ def _group_plan(
         or any(name in layout.raw_layers for name in layer_names)
         or not all(isinstance(cache, torch.Tensor) for cache in caches)
     ):
-        return GroupPlan(caches, None)
+        return None
     (num_blocks,), (value,) = layer_blocks, values
     if num_blocks is None or value.std > 0:  # samples: layer by layer
-        return GroupPlan(caches, None)
+        return None
     block_dims = [
         find_block_dim(
             cache.shape,
@@ -320,9 +348,26 @@ def _group_plan(
         found.ratio for found in block_dims if found is not None and found.dim == 0
     ]
     if len(ratios) != len(caches):
-        return GroupPlan(caches, None)
+        return None
     pages = group_pages(caches, num_blocks, ratios)
-    return GroupPlan(caches, None if pages is None else PagesFill.of(pages, value))
+    if pages is None:
+        return None
+    pages_fill = PagesFill.of(pages, value)
+    for other in layout.pages_fills.by_group.values():
+        if other is not None and other.writes == pages_fill.writes:
+            pages_fill = other
+            break
+    if pages_fill.zeroed:
+        logger.warning_once(
+            "vllm-kvfill-patch: KV-cache group %d has integer caches (%s; %d "
+            "layers, %s ... %s) that cannot hold the fill value; writing zeros",
+            group_idx,
+            caches[0].dtype,
+            len(layer_names),
+            layer_names[0],
+            layer_names[-1],
+        )
+    return pages_fill
 
 
 def fill_value(
