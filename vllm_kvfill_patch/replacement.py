@@ -353,10 +353,6 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
     if pages is None:
         return None
     pages_fill = PagesFill.of(pages, value)
-    for other in layout.pages_fills.by_group.values():
-        if other is not None and other.writes == pages_fill.writes:
-            pages_fill = other
-            break
     if pages_fill.zeroed:
         logger.warning_once(
             "vllm-kvfill-patch: KV-cache group %d has integer caches (%s; %d "
@@ -367,6 +363,9 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
             layer_names[0],
             layer_names[-1],
         )
+    for other in layout.pages_fills.by_group.values():
+        if other is not None and other.writes == pages_fill.writes:
+            return other
     return pages_fill
 
 
