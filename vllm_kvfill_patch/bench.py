@@ -209,7 +209,7 @@ def peak_allocated(call: Callable[[], None], device: torch.device) -> int:
 
 def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dict:
     worker_cls, upstream = upstream_method("_fill_blocks")
-    from vllm_kvfill_patch.replacement import fill_group
+    from vllm_kvfill_patch.replacement import fill_groups
 
     limit_buffer = torch.empty(case.filled_bytes, dtype=torch.uint8, device=device)
     limit_view = limit_buffer.view(case.dtype)
@@ -229,7 +229,7 @@ def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dic
             lambda: upstream(worker, 0, case.block_ids, tokens), device, repeats
         ),
         "overlay": measure(
-            lambda: fill_group(worker, layout, 0, case.block_ids),
+            lambda: fill_groups(worker, layout, {0: case.block_ids}),
             device,
             repeats,
         ),
@@ -382,7 +382,7 @@ def step_row(
     mean: float,
     series: ModuleType | None,
 ) -> str:
-    from vllm_kvfill_patch.replacement import fill_group, fill_step
+    from vllm_kvfill_patch.replacement import fill_groups, fill_step
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
@@ -399,8 +399,7 @@ def step_row(
 
     def per_request():
         for block_ids_per_group, _tokens in reqs.values():
-            for g, ids in enumerate(block_ids_per_group):
-                fill_group(worker, layout, g, ids)
+            fill_groups(worker, layout, dict(enumerate(block_ids_per_group)))
 
     limit = measure(step_limit(worker, reqs, mean), device, repeats, peak=False)
     step = measure(lambda: fill_step(worker, layout, reqs), device, repeats, peak=False)

@@ -190,20 +190,33 @@ def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:
     block ids over every request the step admits, each layer and state
     tensor of the group filled once. The same rows as filling request by
     request (ids are sets of rows), at a cost that does not grow with the
-    number of requests beyond the rows themselves. Groups whose pages are
-    the same memory and take the same bytes (vLLM 0.33's groups of one spec
-    overlay one buffer, each owning its own blocks of it) are written in one
-    go, with the union of their blocks.
+    number of requests beyond the rows themselves.
     """
-    num_blocks = _num_blocks(worker, layout)
-    if num_blocks is None:
-        return
     block_ids_by_group: dict[int, list[int]] = {}
     for block_ids_per_group, _num_tokens in requests.values():
         for group_idx, block_ids in enumerate(block_ids_per_group):
             block_ids_by_group.setdefault(group_idx, []).extend(block_ids)
-    # Consecutive groups that share a pages fill are written as one; the
-    # groups stay in order (the same bytes as group by group).
+    fill_groups(worker, layout, block_ids_by_group)
+    logger.debug(
+        "vllm-kvfill-patch: filled %d requests' blocks in %d groups in one step",
+        len(requests),
+        len(block_ids_by_group),
+    )
+
+
+def fill_groups(
+    worker: Any, layout: CacheLayout, block_ids_by_group: dict[int, list[int]]
+) -> None:
+    """Fill each group's block ids in every layer of the group, in place.
+
+    Groups whose pages are the same memory and take the same bytes (vLLM
+    0.33's groups of one spec overlay one buffer, each owning its own blocks
+    of it) are written in one go, with the union of their blocks: only
+    consecutive ones, so that the bytes are those of group by group.
+    """
+    num_blocks = _num_blocks(worker, layout)
+    if num_blocks is None:
+        return
     fills = layout.pages_fills.current(worker.kv_caches)
     pending: PagesFill | None = None
     pending_ids: list[int] = []
@@ -225,29 +238,6 @@ def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:
             pending_ids.extend(block_ids)
     if pending is not None:
         pending.write_(BlockSet(pending_ids, pending.num_blocks))
-    logger.debug(
-        "vllm-kvfill-patch: filled %d requests' blocks in %d groups in one step",
-        len(requests),
-        len(block_ids_by_group),
-    )
-
-
-def fill_group(
-    worker: Any, layout: CacheLayout, group_idx: int, block_ids: list[int]
-) -> None:
-    """Fill `block_ids` in every layer of group `group_idx`, in place, as a
-    step fills the group."""
-    num_blocks = _num_blocks(worker, layout)
-    if num_blocks is None or not block_ids:
-        return
-    fills = layout.pages_fills.current(worker.kv_caches)
-    if group_idx not in fills:
-        fills[group_idx] = _pages_fill(worker, layout, group_idx)
-    pages_fill = fills[group_idx]
-    if pages_fill is None:
-        _fill_layer_by_layer(worker, layout, group_idx, block_ids, num_blocks)
-    else:
-        pages_fill.write_(BlockSet(block_ids, pages_fill.num_blocks))
 
 
 def _num_blocks(worker: Any, layout: CacheLayout) -> int | None:
