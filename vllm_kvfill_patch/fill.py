@@ -199,11 +199,6 @@ class BlockSet:
         self.ids = valid_block_ids(block_ids, num_blocks)
         self._rows: dict[int, RowRuns] = {}
 
-    @property
-    def runs(self) -> list[tuple[int, int]]:
-        """The blocks as sorted `(start, length)` runs of consecutive ids."""
-        return self.rows().runs
-
     def rows(self, ratio: int = 1) -> RowRuns:
         """The rows of these blocks where each block is `ratio` rows."""
         if ratio not in self._rows:
