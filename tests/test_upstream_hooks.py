@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream import PYTHON_HOOKS, python_hooks, run_hook
+from tests.upstream import PYTHON_HOOKS, mypy_cache_of, python_hooks, run_hook
 
 
 @pytest.fixture(scope="session")
@@ -49,9 +49,10 @@ def test_vllms_python_hooks_pass_on_the_files_each_commit_changes(
         check=True,
     ).stdout.split()
     assert changed
+    mypy_cache = mypy_cache_of(upstream_tree, commit_index)
     failed = {}
     for hook in python_hooks(upstream_tree):
-        result = run_hook(hook, upstream_tree, changed, hook_tools)
+        result = run_hook(hook, upstream_tree, changed, hook_tools, mypy_cache)
         if result is not None and result.returncode != 0:
             failed[hook.id] = (result.stdout + result.stderr)[-3000:]
     assert not failed, failed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -94,19 +95,44 @@ def python_hooks(tree: Path) -> list[Hook]:
     return hooks
 
 
-def run_hook(hook: Hook, tree: Path, files: list[str], tools: Path):
+def run_hook(hook: Hook, tree: Path, files: list[str], tools: Path, mypy_cache: Path):
     """Run `hook` on those of `files` it applies to, with the tools in `tools`
-    (a bin directory, first on PATH; its python runs the local hooks); None
-    where it applies to none of them (pre-commit does not run it then)."""
+    (a bin directory, first on PATH; its python runs the local hooks) and
+    `mypy_cache` as mypy's cache directory; None where it applies to none of
+    them (pre-commit does not run it then)."""
     selected = [path for path in files if hook.applies_to(path)]
     if not selected:
         return None
-    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
+        "MYPY_CACHE_DIR": str(mypy_cache),
+    }
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(
         [*hook.command, *selected],
         cwd=tree, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+
+
+def mypy_cache_of(tree: Path, position: int) -> Path:
+    """mypy's cache for the series' commit at `position` (0 the first), in
+    `tree`: one per commit, started from a copy of the commit before's.
+
+    mypy rechecks what changed since its cache was written (content hashes
+    decide), so a result never depends on the cache. With one cache for
+    every commit, each commit's connector was rechecked against the last
+    one's at every run (15 s a commit; 22 s without a cache); with its own,
+    an unchanged commit takes 3 s.
+    """
+    cache = tree / f".mypy_cache-series-{position + 1}"
+    before = tree / f".mypy_cache-series-{position}"
+    if not cache.exists() and before.is_dir():
+        partial = cache.with_name(cache.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(before, partial)
+        partial.rename(cache)
+    return cache
 
 
 def run_upstream_tests(tree: Path, test_file: str, *pytest_args: str) -> dict[str, str]:
