@@ -132,8 +132,8 @@ ENGINE_TESTS = {
     "0.23.0": "real engines (TP=1 and 2, PP=2, `vllm serve`)",
     "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
     "0.32.0": (
-        "real engines (entry point alone, every fill checked; data parallel 2, "
-        "two nodes)"
+        "real engines (entry point alone, every fill checked; data parallel 3 "
+        "over two nodes)"
     ),
 }
 """Releases the engine session runs, and how."""
