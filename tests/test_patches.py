@@ -77,26 +77,12 @@ def behaviour_selection(vllm_version: str) -> str:
     return "behaviour and not kv_first_layout"
 
 
-def behaviour_test_ids(selection: str, modules: list[str]) -> list[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", selection]
-        + modules,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    return [line for line in result.stdout.splitlines() if "::" in line]
-
-
 def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_version):
-    selection = behaviour_selection(vllm_version)
-    modules = behaviour_tests(vllm_version)
-    expected = behaviour_test_ids(selection, modules)
-    assert len(expected) >= 14
     env = {**os.environ, "KVFILL_CONNECTOR_FILE": str(patched_connector)}
-    command = [sys.executable, "-m", "pytest", "-q", "-m", selection, *modules]
+    selection = behaviour_selection(vllm_version)
+    command = [sys.executable, "-m", "pytest", "-q", "-m", selection]
     result = subprocess.run(
-        [*command, "-p", "no:cacheprovider"],
+        [*command, *behaviour_tests(vllm_version), "-p", "no:cacheprovider"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -104,7 +90,11 @@ def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_ve
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-8000:]
-    assert f"{len(expected)} passed" in result.stdout
+    # Every test the selection picked passed: none failed, errored or skipped.
+    summary = result.stdout.strip().splitlines()[-1]
+    outcomes = {kind: int(n) for n, kind in re.findall(r"(\d+) ([a-z]+)", summary)}
+    assert set(outcomes) <= {"passed", "deselected", "warning", "warnings"}, summary
+    assert outcomes.get("passed", 0) >= 14, summary
 
 
 def test_overlay_stays_out_of_a_patched_connector(patched_connector, vllm_version):
