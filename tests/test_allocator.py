@@ -1,4 +1,4 @@
-"""Caches as vLLM 0.33's own allocator builds them, filled byte for byte.
+"""Caches as vLLM's own allocator (0.32+) builds them, filled byte for byte.
 
 vLLM's planner (``get_kv_cache_groups``, ``get_kv_cache_config_from_groups``)
 places the layers of each case in one backing buffer for every
@@ -13,7 +13,10 @@ writes there, and nothing else changed.
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
 import logging
+from types import ModuleType
 
 import pytest
 import torch
@@ -115,21 +118,30 @@ def base_config(tiny_model):
     return make_vllm_config(tiny_model, fill_mean=MEAN)
 
 
+def kv_cache_planner() -> ModuleType:
+    """The module of vLLM's KV-cache planner (``get_kv_cache_groups``,
+    ``get_kv_cache_config_from_groups``): its own from 0.33, in
+    ``kv_cache_utils`` in 0.32."""
+    name = "vllm.v1.core.kv_cache_planning"
+    if importlib.util.find_spec(name) is None:
+        name = "vllm.v1.core.kv_cache_utils"
+    return importlib.import_module(name)
+
+
 def allocated(base_config, specs: dict, kernel_block_size, layout):
     """vLLM's own plan and allocation for `specs` in `layout`, or None where
     vLLM refuses the layout for them."""
-    from vllm.v1.core.kv_cache_planning import (
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-    )
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    planner = kv_cache_planner()
     config = copy.deepcopy(base_config)
     config.cache_config.kv_cache_layout = layout.name
     config.cache_config.cache_dtype = "fp8_e4m3"  # what an fp8 spec is stored as
     try:
-        groups = get_kv_cache_groups(config, specs)
-        kv_cache_config = get_kv_cache_config_from_groups(config, groups, 1 << 21)
+        groups = planner.get_kv_cache_groups(config, specs)
+        kv_cache_config = planner.get_kv_cache_config_from_groups(
+            config, groups, 1 << 21
+        )
         kernel_sizes = None
         if kernel_block_size is not None:
             kernel_sizes = [kernel_block_size] * len(groups)

