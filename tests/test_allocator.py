@@ -397,9 +397,9 @@ def test_groups_whose_pages_are_the_same_memory_are_written_in_one_go(
     writes = []
     original = fill.PagesFill.write_
 
-    def counted(pages_fill, blocks):
-        writes.append((pages_fill, blocks.ids))
-        return original(pages_fill, blocks)
+    def counted(pages_fill, block_ids):
+        writes.append((pages_fill, sorted(block_ids)))
+        return original(pages_fill, block_ids)
 
     monkeypatch.setattr(fill.PagesFill, "write_", counted)
     buffer = backing_buffer(caches)

@@ -181,7 +181,7 @@ class Step:
     def run(self) -> None:
         """The overlay's step: each distinct pages view, one write."""
         for pages_fill, block_ids in self.writes.values():
-            pages_fill.write_(fill.BlockSet(block_ids, self.num_blocks))
+            pages_fill.write_(block_ids)
 
 
 def check_no_sync(device: torch.device, page_bytes: int) -> bool:
