@@ -381,6 +381,26 @@ def test_pages_written_as_16_byte_words_hold_the_values_bytes(dtype, mean, encod
     assert torch.equal(pages.view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.parametrize(
+    "block_ids,written",
+    [
+        ([7, 0, 3, 5, 3, 24, 99, -1, 7], [3, 5, 7]),  # three runs: one indexed write
+        ([6, 4, 0, 5, 4, 31], [4, 5, 6]),  # one run: a slice fill
+        ([0, 24, -2], []),
+    ],
+)
+def test_a_pages_write_takes_each_valid_id_once_and_nothing_else(block_ids, written):
+    """A step hands its ids as gathered: unsorted, repeated across requests,
+    the null block, ids past the pool."""
+    raw = torch.randint(0, 256, (24 * 2 * 64,), dtype=torch.uint8)
+    pages = raw.view(torch.bfloat16).view(24, 2, -1)
+    before = pages.clone()
+    fill.PagesFill.of(pages, FillValue(0.5)).write_(block_ids)
+    expected = before.clone()
+    expected[written] = 0.5
+    assert torch.equal(pages.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_pages_that_are_not_whole_words_are_filled_by_runs():
     raw = torch.randint(0, 256, (24 * 3 * 10,), dtype=torch.uint8)
     pages = raw.view(torch.bfloat16).view(24, 3, 5)  # 10-byte pages
