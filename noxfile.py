@@ -44,6 +44,11 @@ CACHE = Path(
 )
 
 
+def applied_releases() -> list[str]:
+    """The tested releases the overlay applies to, oldest first."""
+    return [v for v in TESTED if RELEASES["policy_for"](v).decision == "applied"]
+
+
 def patch_releases() -> list[str]:
     """The releases that have a patch series in patches/, oldest first."""
     found = RELEASES["patches_by_release"](ROOT / "patches")
@@ -98,7 +103,7 @@ def ci_sessions() -> list[str]:
     """What `ci` runs: every test session, the longest first (measured here
     under `ci`: the engines 1.0 - 2.6 min, a connector release 36 - 87 s,
     the wheel 41 s, an inert release 13 s, lint and policy seconds)."""
-    releases = [v for v in TESTED if RELEASES["policy_for"](v).decision == "applied"]
+    releases = applied_releases()
     patched = [v for v in releases if v in patch_releases()]
     return [
         "lint",
@@ -190,6 +195,8 @@ def connector(session: nox.Session, vllm: str) -> None:
         tests += ["tests/test_allocator.py", "tests/test_gpu_check.py"]
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
+    if vllm in (applied_releases()[0], applied_releases()[-1]):
+        tests.append("tests/test_spawned.py")  # a cold interpreter: ~9 s
     env = release_env(session, vllm)
     session.run("pytest", *PARALLEL, *tests, *session.posargs, env=env)
 
