@@ -195,7 +195,8 @@ def connector(session: nox.Session, vllm: str) -> None:
         tests += ["tests/test_allocator.py", "tests/test_gpu_check.py"]
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
-    if vllm in (applied_releases()[0], applied_releases()[-1]):
+    oldest, *_, newest = applied_releases()
+    if vllm in (oldest, newest):
         tests.append("tests/test_spawned.py")  # a cold interpreter: ~9 s
     env = release_env(session, vllm)
     session.run("pytest", *PARALLEL, *tests, *session.posargs, env=env)

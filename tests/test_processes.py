@@ -1,4 +1,5 @@
-"""The patch in fresh interpreters and spawned children, on the installed vLLM.
+"""The patch in fresh processes, on the installed vLLM (a spawned child:
+tests/test_spawned.py).
 
 Each scenario is a function in tests/children.py, run in a fresh process
 (``helpers.run_fresh``: forked from the zygote, which has imported torch and
