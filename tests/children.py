@@ -37,12 +37,14 @@ def wrapper_count(function) -> int:
 
 def connector_report(module=None) -> dict:
     """Wrappers on the patched methods, and the package's status if loaded."""
-    import logging
-
     module = module or sys.modules.get(CONNECTOR_MODULE)
     report: dict = {"connector": module is not None}
     # vLLM 0.31+ configures its logging only when an engine or the CLI starts.
-    report["vllm_logging_configured"] = bool(logging.getLogger("vllm").handlers)
+    report["vllm_logging_configured_late"] = LOGGING_CONFIGURED_BEFORE == [False]
+    vllm_logger = sys.modules.get("vllm.logger")
+    if vllm_logger is not None:
+        configure = vllm_logger._configure_vllm_root_logger
+        report["logging_configuration_wrappers"] = wrapper_count(configure)
     if module is not None:
         for method, owner in CONNECTOR_METHODS.items():
             report[method] = wrapper_count(getattr(module, owner).__dict__[method])
@@ -62,6 +64,24 @@ def _import_connector() -> None:
     importlib.import_module(CONNECTOR_MODULE)
 
 
+LOGGING_CONFIGURED_BEFORE: list[bool] = []
+"""Whether vLLM's logging was configured when `_configure_vllm_logging` ran."""
+
+
+def _configure_vllm_logging() -> None:
+    """As an engine or the CLI does when it starts, from 0.31 (vLLM up to 0.30
+    configured its logging when imported)."""
+    import logging
+
+    import vllm.logger
+
+    LOGGING_CONFIGURED_BEFORE.append(bool(logging.getLogger("vllm").handlers))
+    if hasattr(vllm.logger, "configure_logging"):
+        from vllm.config import LoggingConfig
+
+        vllm.logger.configure_logging(LoggingConfig())
+
+
 def _load_plugins() -> None:
     import vllm.plugins
 
@@ -76,6 +96,7 @@ STEPS = {
     "revert": lambda: importlib.import_module("vllm_kvfill_patch").revert(),
     "load plugins": _load_plugins,
     "set kill switch": lambda: os.environ.__setitem__("KVFILL_PATCH_DISABLE", "yes"),
+    "configure logging": _configure_vllm_logging,
 }
 
 

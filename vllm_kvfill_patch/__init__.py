@@ -35,6 +35,7 @@ from typing import Any
 
 import wrapt
 
+from vllm_kvfill_patch import decision_log
 from vllm_kvfill_patch.gating import (
     CONNECTOR_MODULE,
     FILL,
@@ -61,9 +62,6 @@ KILL_SWITCH = "KVFILL_PATCH_DISABLE"
 _DISABLED_REASON = f"{KILL_SWITCH} is set"
 REFILL_SWITCH = "KVFILL_PATCH_REFILL"
 """``0`` leaves the refill of preempted requests out (upstream's behaviour)."""
-
-# Under vLLM's logger namespace, so vLLM's handlers and levels apply.
-logger = logging.getLogger("vllm.kvfill_patch")
 
 
 @dataclass(frozen=True)
@@ -299,7 +297,7 @@ def _decide(decision: Decision, reason: str, parts: tuple[str, ...] = ()) -> Non
     level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
     # Which process decided: a topology's processes (DP ranks, pipeline
     # stages, nodes) each decide, and not every launcher prefixes its lines.
-    logger.log(
+    decision_log.log(
         level,
         "vllm-kvfill-patch %s for vLLM %s (hot-fix %s): %s%s [process %s, pid %d, "
         "host %s]",
@@ -344,8 +342,8 @@ def _vllm_version() -> str | None:
 
 
 # Importing the package is the first way to use it: register the hook now.
-# With the kill switch set, the status says so without a log line (vLLM's
-# logging may not be configured yet); apply() and the plugin log it.
+# With the kill switch set, the status says so without a log line (no vLLM
+# version to name yet); apply() and the plugin log it.
 with _installer.lock:
     if _kill_switch_on():
         _installer.status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
