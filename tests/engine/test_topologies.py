@@ -157,7 +157,8 @@ RAY_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 """Ray 2.60 starts a head with token authentication and no token for other
-nodes to join with; these nodes share a loopback interface."""
+nodes to join with (these nodes share a loopback interface); its driver folds
+lines that differ only in numbers, such as two workers' decision lines."""
 
 RAY_STORE = 100 * 1024 * 1024
 """Each node's object store (the tiny model's steps need little)."""
