@@ -31,24 +31,23 @@ logger = logging.getLogger("vllm.kvfill_patch")
 _lock = threading.RLock()
 _held: tuple[int, str, tuple] | None = None
 """The line waiting for vLLM's logging: level, message, arguments."""
-_hook_registered = False
 _wrapper: Any = None
+"""Ours on vLLM's configuration function while a line is held."""
 
 
 def log(level: int, message: str, *args: Any) -> None:
     """Log now where the line would be emitted, else when vLLM configures its
     logging (a later line replaces a held one: the newest decision counts).
     Never raises."""
-    global _held, _hook_registered
+    global _held
     with _lock:
         if logger.isEnabledFor(level):
             _held = None
             logger.log(level, message, *args)
             return
         _held = (level, message, args)
-        if _hook_registered:
+        if _wrapper is not None:
             return
-        _hook_registered = True
     try:
         # Fires at once where vllm.logger is imported (always, once vLLM is).
         wrapt.register_post_import_hook(_wrap_configure, VLLM_LOGGER_MODULE)
@@ -58,7 +57,7 @@ def log(level: int, message: str, *args: Any) -> None:
 
 def _wrap_configure(module: ModuleType) -> None:
     """The post-import hook. Must not raise: wrapt would fail vLLM's import."""
-    global _wrapper, _hook_registered
+    global _wrapper
     with _lock:
         try:
             if _wrapper is None and callable(getattr(module, CONFIGURE, None)):
@@ -67,13 +66,11 @@ def _wrap_configure(module: ModuleType) -> None:
                 )
         except Exception:  # noqa: BLE001 - see above
             _wrapper = None
-        if _wrapper is None:
-            _hook_registered = False
 
 
 def _log_held_after(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
-    global _held, _wrapper, _hook_registered
+    global _held, _wrapper
     with _lock:
         try:
             held, _held = _held, None
@@ -82,7 +79,7 @@ def _log_held_after(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
                 logger.log(level, message, *line_args)
             module = sys.modules.get(VLLM_LOGGER_MODULE)
             wrapt.unwrap_object(module, CONFIGURE, _wrapper, missing_ok=True)
-            _wrapper, _hook_registered = None, False
+            _wrapper = None
         except Exception:  # noqa: BLE001 - kept (another wrapper above ours)
             pass
     return result
