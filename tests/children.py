@@ -330,11 +330,13 @@ def package_location() -> dict:
     return {"file": vllm_kvfill_patch.__file__}
 
 
-def upstream_pytest(tree: str, arguments: list[str]) -> dict:
-    """Upstream's own pytest, in vLLM's source `tree` and on its sources.
+def pytest_in(tree: str, arguments: list[str]) -> dict:
+    """pytest in `tree` (vLLM's source tree, on its sources, or this project's
+    root), as a new pytest process would run it.
 
-    This process's ``tests`` package is this project's; the tree's own
-    ``tests`` (its conftest, its test modules) must be imported instead.
+    The ``tests`` modules this process inherited are dropped, so the tree's
+    own are imported afresh (upstream's conftest and test modules, or this
+    project's conftest reading the environment the child was given).
     """
     import pytest
 

@@ -8,11 +8,8 @@ Run in the sessions of releases that have a patch series (see noxfile.py).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 from tests import children
 from tests.helpers import (
@@ -20,6 +17,7 @@ from tests.helpers import (
     ROOT,
     UPSTREAM_TEST_PATH,
     git_apply,
+    run_forked,
     run_fresh,
 )
 from vllm_kvfill_patch.releases import ALLOCATOR, parse_release
@@ -78,20 +76,19 @@ def behaviour_selection(vllm_version: str) -> str:
 
 
 def test_patched_file_passes_the_same_behaviour_tests(patched_connector, vllm_version):
-    env = {**os.environ, "KVFILL_CONNECTOR_FILE": str(patched_connector)}
-    selection = behaviour_selection(vllm_version)
-    command = [sys.executable, "-m", "pytest", "-q", "-m", selection]
-    result = subprocess.run(
-        [*command, *behaviour_tests(vllm_version), "-p", "no:cacheprovider"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
+    # A pytest of its own, in a child of the zygote (no third-party imports
+    # again), whose conftest loads the patched file in place of the release's.
+    arguments = ["-q", "-m", behaviour_selection(vllm_version)]
+    env = {"KVFILL_CONNECTOR_FILE": str(patched_connector)}
+    exitcode, result, stdout, stderr = run_forked(
+        children.pytest_in,
+        (str(ROOT), [*arguments, *behaviour_tests(vllm_version)]),
+        env,
         timeout=600,
     )
-    assert result.returncode == 0, result.stdout[-8000:]
+    assert exitcode == 0 and result["exitcode"] == 0, stdout[-8000:] + stderr[-2000:]
     # Every test the selection picked passed: none failed, errored or skipped.
-    summary = result.stdout.strip().splitlines()[-1]
+    summary = stdout.strip().splitlines()[-1]
     outcomes = {kind: int(n) for n, kind in re.findall(r"(\d+) ([a-z]+)", summary)}
     assert set(outcomes) <= {"passed", "deselected", "warning", "warnings"}, summary
     assert outcomes.get("passed", 0) >= 14, summary

@@ -146,7 +146,7 @@ def run_upstream_tests(tree: Path, test_file: str, *pytest_args: str) -> dict[st
     report.unlink(missing_ok=True)
     arguments = ["-q", f"--junitxml={report}", test_file, *pytest_args]
     exitcode, result, stdout, stderr = run_forked(
-        children.upstream_pytest, (str(tree), arguments), {}, timeout=900
+        children.pytest_in, (str(tree), arguments), {}, timeout=900
     )
     assert report.exists(), f"upstream's pytest ({exitcode}):\n{stdout}\n{stderr}"
     # The tree's own sources were tested, not the installed wheel.
