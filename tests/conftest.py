@@ -12,7 +12,13 @@ import pytest
 
 from tests import zygote
 from tests.children import load_connector_file
-from tests.helpers import BUILD_COMMAND, CONNECTOR_PATH, git_apply, patches_by_release
+from tests.helpers import (
+    BUILD_COMMAND,
+    CONNECTOR_PATH,
+    ROOT,
+    git_apply,
+    patches_by_release,
+)
 
 # Neither vLLM, wrapt nor this package is imported before pytest_configure
 # has forked the zygote (tests/zygote.py).
@@ -24,8 +30,11 @@ it is loaded in place of the installed one and the overlay is switched off."""
 
 def pytest_configure(config: pytest.Config) -> None:
     # Tests run here: not an xdist controller, whose workers have their own
-    # zygote each, nor a --collect-only.
-    if not (getattr(config.option, "numprocesses", None) or config.option.collectonly):
+    # zygote each, nor a --collect-only, nor pytest started outside the
+    # checkout (the wheel's tests), where every fresh process is a cold one.
+    controller = getattr(config.option, "numprocesses", None)
+    outside = not Path.cwd().is_relative_to(ROOT)
+    if not (controller or config.option.collectonly or outside):
         zygote.start()
     if PATCHED_CONNECTOR_FILE:
         os.environ["KVFILL_PATCH_DISABLE"] = "1"
