@@ -68,10 +68,6 @@ def start() -> None:
         raise RuntimeError(f"the zygote must start before {loaded} is imported")
     if importlib.util.find_spec("vllm") is None:
         return
-    # Imports leave nothing to collect, yet the collector walked the growing
-    # heap all along (1 - 2 s of the 8 - 10 s here).
-    collecting = gc.isenabled()
-    gc.disable()
     for module in PRELOADED:
         try:
             importlib.import_module(module)
@@ -81,8 +77,6 @@ def start() -> None:
     # process: a child's full collections no longer walk all of torch's and
     # transformers' objects (its import of the connector: 0.9 s -> 0.6 s).
     gc.freeze()
-    if collecting:
-        gc.enable()
     fork = multiprocessing.get_context("fork")
     _requests, zygote_end = fork.Pipe()
     _zygote = fork.Process(target=_serve, args=(zygote_end,), name="zygote")
