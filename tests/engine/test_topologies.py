@@ -59,7 +59,7 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     # through the DP address and RPC port, with KVFILL_PATCH_DISABLE=1. Only
     # the installed package patches any of them. (One deployment, not a
     # single-node and a two-node one: starting a deployment's processes is
-    # most of the time; two took 107 s on two CPUs, this one 73 - 78 s.)
+    # most of the time; two took 107 s on two CPUs, this one 68 s alone.)
     model = write_tiny_lfm2(tmp_path / "tiny-lfm2")
     port, rpc_port = free_port(), free_port()
     joined = [
