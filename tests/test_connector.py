@@ -425,6 +425,28 @@ def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
 
 
+@pytest.mark.parametrize("fill_std", [0.0, 0.1], ids=["constant", "random"])
+def test_a_float8_cache_is_written_in_its_own_format(vllm_config_for, fill_std):
+    # Many runs of blocks: one indexed write, which takes no float8 dtype on
+    # the CPU (upstream's own index_put does).
+    blocks = 2 * NUM_BLOCKS
+    pool = make_pool(blocks)
+    cache = torch.zeros(blocks, 2, 16, 1, 64, dtype=torch.float8_e4m3fn)
+    pool.caches[ATTENTION_LAYER] = cache
+    config = vllm_config_for(fill_mean=0.5, fill_std=fill_std)
+    connector = make_worker_connector(config, pool)
+    requested = list(range(1, blocks, 2))
+    start_fill(connector, {"r": ((requested, []), 16)})
+    values = cache.float()  # float8 has no indexing or comparisons on the CPU
+    assert not values[list(range(0, blocks, 2))].any()
+    written = values[requested]
+    if fill_std == 0:
+        assert (written == 0.5).all()
+    else:
+        assert abs(written.mean().item() - 0.5) < 0.01
+        assert abs(written.std().item() - 0.1) < 0.01
+
+
 @behaviour
 @pytest.mark.parametrize("fill_std", [0.0, 1.0], ids=["constant", "random"])
 def test_an_out_of_range_mean_gives_the_largest_finite_value(vllm_config_for, fill_std):

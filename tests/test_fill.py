@@ -60,7 +60,7 @@ def expected_rows(block_ids, num_blocks, ratio):
     ratio=st.sampled_from([1, 2, 4]),
     kernel_tokens=st.sampled_from([4, 16]),
     block_ids=block_id_lists,
-    dtype=st.sampled_from(DTYPES + [torch.uint8]),
+    dtype=st.sampled_from(DTYPES + [torch.uint8, torch.float8_e4m3fn]),
     std=st.sampled_from([0.0, 1.0]),
 )
 def test_fill_writes_exactly_the_kernel_rows_of_the_requested_blocks(
@@ -81,6 +81,9 @@ def test_fill_writes_exactly_the_kernel_rows_of_the_requested_blocks(
     rows = expected_rows(block_ids, num_blocks, ratio)
     assert report.written is (Written.ROWS if rows else Written.NOTHING)
     constant = fill_byte(0.5, encoding) if encoding else 0.5
+    if dtype == torch.float8_e4m3fn:  # compared as bytes: no float8 eq on the CPU
+        cache, before = cache.view(torch.uint8), before.view(torch.uint8)
+        constant = fill_byte(0.5, dtype)
     for row in range(num_blocks * ratio):
         new, old = cache.select(dim, row), before.select(dim, row)
         if row not in rows:
@@ -227,17 +230,42 @@ def test_null_block_is_never_filled():
 
 
 @pytest.mark.parametrize("row_elements", [3, 16384], ids=["small", "32 KiB plus"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("std", [0.0, 1.0])
 def test_many_scattered_blocks(row_elements, dtype, std):
     # Small rows take one indexed kernel; rows of 32 KiB and more a loop (CPU)
-    # unless a constant fill writes them as 16-byte words, indexed.
-    cache = torch.full((64, row_elements), 1000.0, dtype=dtype)
+    # unless a constant fill writes them as 16-byte words, indexed. The
+    # indexed kernels take no float8 dtype on the CPU: its bytes are written.
+    cache = torch.full((64, row_elements), 256.0, dtype=dtype)
     ids = list(range(1, 64, 2))
     fill.fill_cache_blocks_(cache, fill.BlockSet(ids, 64), FillValue(2.0, std))
-    filled = cache[ids].float()
+    values = cache.float()  # float8 has no indexing or comparisons on the CPU
+    filled = values[ids]
     assert (filled == 2).all() if std == 0 else (filled.abs() < 100).all()
-    assert (cache[list(range(0, 64, 2))] == 1000).all()
+    assert (values[list(range(0, 64, 2))] == 256).all()
+
+
+def test_float8_rows_that_are_not_whole_words_are_written_as_bytes():
+    # Rows of 15 bytes: no 16-byte words, so one index_fill_ on the bytes.
+    cache = torch.zeros(64, 3, 5, dtype=torch.float8_e5m2)
+    ids = list(range(1, 64, 2))
+    fill.fill_cache_blocks_(cache, fill.BlockSet(ids, 64), FillValue(0.015))
+    written = cache.view(torch.uint8)
+    assert (written[ids] == fill_byte(0.015, torch.float8_e5m2)).all()
+    assert not written[list(range(0, 64, 2))].any()
+
+
+@pytest.mark.parametrize("first,second", [(-0.0, 0.0), (0.0, -0.0)])
+def test_zero_and_negative_zero_are_each_written_as_their_own_bytes(first, second):
+    # Equal as numbers, so a cache of words by value would hand the second
+    # the first's (or an earlier test's) word: bf16 -0.0 is 0x8000, and a
+    # zero-filled ring may hold integers.
+    for mean in (first, second):
+        cache = torch.ones(16, 4, 8, dtype=torch.bfloat16)
+        ids = list(range(1, 16, 2))  # 8 runs: one index_fill_ of words
+        fill.fill_cache_blocks_(cache, fill.BlockSet(ids, 16), FillValue(mean))
+        expected = torch.tensor(mean, dtype=torch.bfloat16).view(torch.int16)
+        assert (cache[ids].view(torch.int16) == expected).all(), mean
 
 
 def test_tensor_without_block_dimension_is_left_alone():

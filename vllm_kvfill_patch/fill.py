@@ -365,11 +365,8 @@ class PagesFill:
 
     @classmethod
     def of(cls, pages: torch.Tensor, value: FillValue) -> PagesFill:
+        pages, value = _float8_as_bytes(pages, value)
         constant = _constant_for(pages.dtype, value)
-        if _is_float8(pages.dtype):
-            # Indexed kernels do not take float8 dtypes everywhere: its bytes.
-            encoded = torch.tensor(constant, dtype=torch.float32).to(pages.dtype)
-            pages, constant = pages.view(torch.uint8), encoded.view(torch.uint8).item()
         zeroed = constant is None and bool(value.mean)
         written = 0 if constant is None else constant
         return cls(pages, written, zeroed, _as_wide_words(pages, written))
@@ -437,13 +434,22 @@ def _as_wide_words(
     return words.permute(order), order.index(0), word
 
 
-@functools.lru_cache(maxsize=256)
 def _word_for(
     dtype: torch.dtype, constant: float | int, device: torch.device
 ) -> complex | None:
     """The complex128 word repeating `constant` as `dtype`, where `device`
     writes it with ``index_fill_`` and the word stores exactly those bytes
-    (only moves store it, no arithmetic: checked once per value here)."""
+    (only moves store it, no arithmetic: checked once per value)."""
+    # A cache lookup finds -0.0 where 0.0 was stored (they are equal), but
+    # their bytes differ: the sign is part of the key.
+    return _signed_word_for(dtype, constant, math.copysign(1, constant), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _signed_word_for(
+    dtype: torch.dtype, constant: float | int, sign: float, device: torch.device
+) -> complex | None:
+    """`_word_for`, cached; `sign` (that of `constant`) is part of the key only."""
     per_word = WORD_BYTES // dtype.itemsize
     if dtype.itemsize * per_word != WORD_BYTES:
         return None
@@ -496,6 +502,7 @@ def fill_state_blocks_(
 def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillReport:
     if not runs.block_ids:
         return FillReport(Written.NOTHING)
+    rows, value = _float8_as_bytes(rows, value)
     constant = _constant_for(rows.dtype, value)
     if constant is None or value.std == 0:
         _fill_constant_runs_(rows, runs, 0 if constant is None else constant)
@@ -508,6 +515,17 @@ def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillRepo
 def _fill_whole_(tensor: torch.Tensor, value: FillValue) -> bool:
     """Fill all of `tensor`; True if zeros were written for want of a dtype."""
     return _fill_runs_(tensor.unsqueeze(0), RowRuns([0]), value).zeroed
+
+
+def _float8_as_bytes(
+    rows: torch.Tensor, value: FillValue
+) -> tuple[torch.Tensor, FillValue]:
+    """A float8 tensor as its bytes, and `value` to be written in that float8
+    encoding (the same bytes): the indexed kernels, ``index_fill_`` and
+    ``index_copy_``, do not take float8 dtypes on every device."""
+    if not _is_float8(rows.dtype):
+        return rows, value
+    return rows.view(torch.uint8), FillValue(value.mean, value.std, rows.dtype)
 
 
 def _constant_for(dtype: torch.dtype, value: FillValue) -> float | int | None:
