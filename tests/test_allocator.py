@@ -417,3 +417,36 @@ def test_groups_whose_pages_are_the_same_memory_are_written_in_one_go(
     zeroed = [r.getMessage() for r in vllm_log if "integer caches" in r.getMessage()]
     assert len(zeroed) == 2, zeroed
     assert "group 1" in zeroed[0] and "2 layers, own2.mamba ... own4.mamba" in zeroed[0]
+
+
+def test_ids_outside_the_pool_are_not_written_and_said_once(base_config, vllm_log):
+    """Bad input: ids past the pool (or negative) are not written, and one
+    warning per write says so, naming the groups written together."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    specs = three_group_hybrid(cases()["hybrid"][0]["l1.mamba"], prefix="outside")
+    config, kv_cache_config, caches = allocated(
+        base_config, specs, None, KVCacheLayout.LBNHC
+    )
+    num_blocks = kv_cache_config.num_blocks
+    buffer = backing_buffer(caches)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
+    connector = DecodeBenchConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    connector.register_kv_caches(caches)
+    expected = expected_after(
+        buffer, caches, kv_cache_config, connector.connector_worker, [[1, 2], [3], [4]]
+    )
+    start_fill(connector, {"r": (([1, 2, num_blocks], [3, -1], [4]), 48)})
+    start_fill(connector, {"s": (([num_blocks + 5], [], []), 48)})
+
+    assert torch.equal(buffer, expected)
+    said = [r.getMessage() for r in vllm_log if "outside the pool" in r.getMessage()]
+    assert said == [
+        "vllm-kvfill-patch: a step asked for block ids outside the pool of "
+        f"{num_blocks} blocks (KV-cache {groups}); not filling those"
+        for groups in ("group 0", "groups 1, 2")
+    ]

@@ -371,6 +371,63 @@ def test_invalid_null_and_duplicate_ids(vllm_config_for):
     expect_only_pages_changed(pool, before, {2})
 
 
+def test_ids_outside_the_pool_are_said_once_per_group(vllm_config_for, patch_log):
+    blocks = NUM_BLOCKS + 1  # a pool size of its own: vLLM warns once per process
+    pool = make_pool(blocks)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    before = pool.raw.clone()
+    start_fill(connector, {"r": (([3, blocks, 99], [-1, 4]), 32)})
+    start_fill(connector, {"s": (([5, blocks + 1], [0]), 32)})
+    expect_only_pages_changed(pool, before, {3, 4, 5})
+    said = [r for r in patch_log if "outside the pool" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING] * 2
+    assert [r.getMessage() for r in said] == [
+        f"vllm-kvfill-patch: a step asked for block ids outside the pool of "
+        f"{blocks} blocks (KV-cache group {group}); not filling those"
+        for group in (ATTENTION_GROUP, LINEAR_GROUP)
+    ]
+
+
+def test_a_step_before_registration_gets_upstreams_own_error(vllm_config_for):
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+
+    pool = make_pool(NUM_BLOCKS)
+    connector = DecodeBenchConnector(
+        vllm_config_for(), KVConnectorRole.WORKER, make_kv_cache_config(pool)
+    )
+    errors = []
+    for upstream in (False, True):
+        reverted = overlay_reverted() if upstream else contextlib.nullcontext()
+        with reverted, pytest.raises(AssertionError) as raised:
+            start_fill(connector, {"r": (([1], [2]), 16)})
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    assert not hasattr(connector.connector_worker, "_kvfill_layout")
+
+
+def test_a_state_without_a_block_dimension_is_left_alone_and_said_once(
+    vllm_config_for, patch_log
+):
+    pool = make_pool(NUM_BLOCKS)
+    odd = torch.full((5, 3), 7.0)
+    pool.caches[LINEAR_LAYER] = [*pool.caches[LINEAR_LAYER], odd]
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    before = pool.raw.clone()
+    start_fill(connector, {"r": (([3], [4]), 16)})
+    start_fill(connector, {"s": (([5], [6]), 16)})
+    expect_only_pages_changed(pool, before, {3, 4, 5, 6})
+    assert (odd == 7.0).all()
+    said = [r.getMessage() for r in patch_log if "(5, 3)" in r.getMessage()]
+    assert said == [
+        f"vllm-kvfill-patch: a state tensor of layer {LINEAR_LAYER}, shape (5, 3), "
+        f"has no block dimension (expected num_blocks={NUM_BLOCKS} along dim 0); "
+        "not filling it"
+    ]
+
+
 def test_a_pipeline_stage_fills_its_own_layers_and_names_no_other(
     vllm_config_for, patch_log
 ):

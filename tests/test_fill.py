@@ -205,6 +205,7 @@ def test_has_runs_counts_as_far_as_asked(block_ids, count):
 def test_block_runs_normalise_ids():
     blocks = fill.BlockSet([5, 3, 4, 4, 9, -1, 0, 12, 10], 11)
     assert blocks.ids == [3, 4, 5, 9, 10]
+    assert blocks.outside == [-1, 12]  # the null block is not bad input
     assert blocks.rows().runs == [(3, 3), (9, 2)]
     assert fill.BlockSet([], 11).rows().runs == []
 
@@ -275,7 +276,7 @@ def test_tensor_without_block_dimension_is_left_alone():
     assert not cache.any()
 
 
-def test_state_fill_takes_rows_of_block_indexed_states_and_whole_others():
+def test_state_fill_takes_rows_of_block_indexed_states_and_leaves_others():
     pool = torch.zeros(10 * 12)
     conv = torch.as_strided(pool, (10, 2, 3), (12, 3, 1), 0)
     ssm = torch.as_strided(pool, (10, 6), (12, 1), 6)
@@ -286,22 +287,28 @@ def test_state_fill_takes_rows_of_block_indexed_states_and_whole_others():
     assert [r.written for r in reports] == [
         Written.ROWS,
         Written.ROWS,
-        Written.WHOLE_TENSOR,
+        Written.NO_BLOCK_DIM,
     ]
     pages = pool.view(10, 12)
     assert (pages[[3, 7]] == 1.5).all()
     assert not pages[[0, 1, 2, 4, 5, 6, 8, 9]].any()
-    assert (no_block_dim == 1.5).all()
+    assert not no_block_dim.any()
 
 
-def test_random_whole_tensor_fill_larger_than_scratch(monkeypatch):
-    monkeypatch.setattr(fill, "SCRATCH_BYTES", 16)
-    state = torch.zeros(1, 3, 7)
-    reports = fill.fill_state_blocks_(
-        [state], fill.BlockSet([1], 5), FillValue(0.0, 1.0)
-    )
-    assert reports[0].written is Written.WHOLE_TENSOR
-    assert state.ne(0).all()
+def test_random_fill_of_a_row_larger_than_the_scratch(monkeypatch):
+    monkeypatch.setattr(fill, "SCRATCH_BYTES", 16)  # 4 samples, for rows of 21
+    state = torch.zeros(5, 3, 7, dtype=torch.bfloat16)
+    fill.fill_state_blocks_([state], fill.BlockSet([1], 5), FillValue(0.0, 1.0))
+    assert state[1].ne(0).all()
+    assert not state[[0, 2, 3, 4]].any()
+
+
+def test_a_pages_write_returns_the_ids_outside_its_pool_and_writes_the_others():
+    pages = torch.zeros(12, 2, 64, dtype=torch.bfloat16)  # (blocks, layers, page)
+    outside = fill.PagesFill.of(pages, FillValue(0.5)).write_([3, -2, 12, 40, 0])
+    assert outside == [-2, 12, 40]
+    assert (pages[3] == 0.5).all()
+    assert not pages[[0, 1, 2, *range(4, 12)]].any()
 
 
 def layers_of_one_buffer(layout: str, num_layers=3, num_blocks=12, ratio=1):

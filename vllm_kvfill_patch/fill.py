@@ -83,7 +83,6 @@ class Written(enum.Enum):
     """Which part of a tensor a fill wrote."""
 
     ROWS = "rows"
-    WHOLE_TENSOR = "whole tensor"
     NOTHING = "nothing"
     NO_BLOCK_DIM = "nothing: no block dimension"
 
@@ -97,11 +96,16 @@ class FillReport:
     """True when the dtype cannot hold the value and zeros were written."""
 
 
-def valid_block_ids(block_ids: Iterable[int], num_blocks: int) -> list[int]:
-    """The ids in `1 .. num_blocks - 1`, sorted, each once (the null block
-    and out-of-range ids dropped)."""
+def sort_block_ids(
+    block_ids: Iterable[int], num_blocks: int
+) -> tuple[list[int], list[int]]:
+    """The ids in `1 .. num_blocks - 1`, sorted, each once; and the ids
+    outside the pool, ``0 .. num_blocks - 1`` (bad input: never written, for
+    the caller to report). The null block is in neither."""
     ids = sorted(set(block_ids))
-    return ids[bisect_right(ids, NULL_BLOCK_ID) : bisect_left(ids, num_blocks)]
+    end = bisect_left(ids, num_blocks)
+    outside = ids[: bisect_left(ids, 0)] + ids[end:]
+    return ids[bisect_right(ids, NULL_BLOCK_ID) : end], outside
 
 
 def _runs_of(ids: list[int]) -> list[tuple[int, int]]:
@@ -198,12 +202,13 @@ class BlockSet:
     by every tensor filled with them: a scheduler step's fill builds one per
     group, whatever the number of layers, state tensors and requests.
 
-    Ids outside ``1 .. num_blocks - 1`` are dropped, duplicates count once.
+    Ids outside ``1 .. num_blocks - 1`` are dropped (those outside the pool
+    kept in `outside`), duplicates count once.
     """
 
     def __init__(self, block_ids: Iterable[int], num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.ids = valid_block_ids(block_ids, num_blocks)
+        self.ids, self.outside = sort_block_ids(block_ids, num_blocks)
         self._rows: dict[int, RowRuns] = {}
 
     def rows(self, ratio: int = 1) -> RowRuns:
@@ -386,20 +391,22 @@ class PagesFill:
             self.constant,
         )
 
-    def write_(self, block_ids: Iterable[int]) -> None:
+    def write_(self, block_ids: Iterable[int]) -> list[int]:
         """Write the constant into the pages of `block_ids` (the valid ones,
-        see `valid_block_ids`): as words by one indexed kernel from
+        see `sort_block_ids`): as words by one indexed kernel from
         `INDEXED_MIN_RUNS` runs on, else as a single tensor. Without the
         `BlockSet` the layer-by-layer fills share: a pages fill is one write,
-        and a set's bookkeeping cost ~2.5 us of it."""
-        ids = valid_block_ids(block_ids, self.pages.shape[0])
+        and a set's bookkeeping cost ~2.5 us of it. Returns the ids outside
+        the pages' pool, not written."""
+        ids, outside = sort_block_ids(block_ids, self.pages.shape[0])
         if not ids:
-            return
+            return outside
         if self.words is not None and _has_runs(ids, INDEXED_MIN_RUNS):
             view, dim, word = self.words
             view.index_fill_(dim, _row_index(ids, 1, view.device), word)
         else:
             _fill_constant_runs_(self.pages, RowRuns(ids), self.constant)
+        return outside
 
 
 def _as_wide_words(
@@ -486,16 +493,16 @@ def fill_state_blocks_(
 ) -> list[FillReport]:
     """Fill the rows of `block_ids` in each Mamba / linear-attention state.
 
-    A state whose dim 0 is not `num_blocks` has no block rows to pick, so it
-    is filled whole and reported as such.
+    A state whose dim 0 is not `num_blocks` has no block rows to pick: it is
+    left untouched, as an attention cache without a block dimension is
+    (upstream's #45080 fills such a state whole, and every state with it).
     """
     reports = []
     for state in states:
         if state.dim() >= 1 and state.shape[0] == blocks.num_blocks:
             reports.append(_fill_runs_(state, blocks.rows(), value))
         else:
-            zeroed = _fill_whole_(state, value)
-            reports.append(FillReport(Written.WHOLE_TENSOR, zeroed))
+            reports.append(FillReport(Written.NO_BLOCK_DIM))
     return reports
 
 
@@ -510,11 +517,6 @@ def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillRepo
         _fill_random_runs_(rows, runs, value)
     zeroed = constant is None and bool(value.mean or value.std)
     return FillReport(Written.ROWS, zeroed)
-
-
-def _fill_whole_(tensor: torch.Tensor, value: FillValue) -> bool:
-    """Fill all of `tensor`; True if zeros were written for want of a dtype."""
-    return _fill_runs_(tensor.unsqueeze(0), RowRuns([0]), value).zeroed
 
 
 def _float8_as_bytes(

@@ -158,7 +158,11 @@ def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
     is all ours or all upstream's, whenever the patch goes in or out)."""
     worker = getattr(connector, "connector_worker", None)
     metadata: Any = getattr(connector, "_connector_metadata", None)
-    if worker is None or not hasattr(metadata, "reqs_to_fill"):
+    if (
+        worker is None
+        or not hasattr(metadata, "reqs_to_fill")
+        or getattr(worker, "kv_caches", None) is None  # a step before registration
+    ):
         return wrapped(*args, **kwargs)  # upstream's own answer to misuse
     if not metadata.reqs_to_fill:
         return None
@@ -226,6 +230,7 @@ def fill_groups(
     fills = layout.pages_fills.current(worker.kv_caches)
     pending: PagesFill | None = None
     pending_ids: list[int] = []
+    pending_groups: list[int] = []
     for group_idx, block_ids in block_ids_by_group.items():
         if not block_ids:
             continue
@@ -234,16 +239,39 @@ def fill_groups(
         else:
             pages_fill = fills[group_idx] = _pages_fill(worker, layout, group_idx)
         if pending is not None and pages_fill is not pending:
-            pending.write_(pending_ids)
+            _write_pages(pending, pending_ids, pending_groups)
             pending = None
         if pages_fill is None:
             _fill_layer_by_layer(worker, layout, group_idx, block_ids, num_blocks)
         elif pending is None:
             pending, pending_ids = pages_fill, list(block_ids)
+            pending_groups = [group_idx]
         else:
             pending_ids.extend(block_ids)
+            pending_groups.append(group_idx)
     if pending is not None:
-        pending.write_(pending_ids)
+        _write_pages(pending, pending_ids, pending_groups)
+
+
+def _write_pages(
+    pages_fill: PagesFill, block_ids: list[int], groups: list[int]
+) -> None:
+    outside = pages_fill.write_(block_ids)
+    if outside:
+        _warn_outside(groups, pages_fill.pages.shape[0])
+
+
+def _warn_outside(groups: list[int], num_blocks: int) -> None:
+    """Block ids past the pool (or negative) are bad input: not written, said
+    once per group (groups written together are named together)."""
+    named = ", ".join(map(str, groups))
+    logger.warning_once(
+        "vllm-kvfill-patch: a step asked for block ids outside the pool of %d "
+        "blocks (KV-cache group%s %s); not filling those",
+        num_blocks,
+        "s" if len(groups) > 1 else "",
+        named,
+    )
 
 
 def _num_blocks(worker: Any, layout: CacheLayout) -> int | None:
@@ -284,6 +312,8 @@ def _fill_layer_by_layer(
         pool_blocks = layout.layer_blocks.get(layer_name, num_blocks)
         if pool_blocks not in block_sets:
             block_sets[pool_blocks] = BlockSet(block_ids, pool_blocks)
+            if block_sets[pool_blocks].outside:
+                _warn_outside([group_idx], pool_blocks)
         blocks = block_sets[pool_blocks]
         if not blocks.ids:
             continue
@@ -298,7 +328,7 @@ def _fill_layer_by_layer(
         ):
             reports = fill_state_blocks_(cache, blocks, value)
             for state, report in zip(cache, reports, strict=True):
-                _log_report(layer_name, report, state, pool_blocks)
+                _log_report(layer_name, report, state, pool_blocks, state=True)
         else:
             logger.warning_once(
                 "vllm-kvfill-patch: layer %s has a KV cache of type %s, not a "
@@ -478,9 +508,21 @@ WRAPPERS = {"DecodeBenchConnector.start_load_kv": load_step}
 
 
 def _log_report(
-    layer_name: str, report: FillReport, tensor: torch.Tensor, num_blocks: int
+    layer_name: str,
+    report: FillReport,
+    tensor: torch.Tensor,
+    num_blocks: int,
+    state: bool = False,
 ) -> None:
-    if report.written is Written.NO_BLOCK_DIM:
+    if report.written is Written.NO_BLOCK_DIM and state:
+        logger.warning_once(
+            "vllm-kvfill-patch: a state tensor of layer %s, shape %s, has no "
+            "block dimension (expected num_blocks=%d along dim 0); not filling it",
+            layer_name,
+            tuple(tensor.shape),
+            num_blocks,
+        )
+    elif report.written is Written.NO_BLOCK_DIM:
         logger.warning_once(
             "vllm-kvfill-patch: layer %s has a KV cache of shape %s with no "
             "block dimension (expected num_blocks=%d, or a multiple of it split "
@@ -489,13 +531,6 @@ def _log_report(
             layer_name,
             tuple(tensor.shape),
             num_blocks,
-        )
-    if report.written is Written.WHOLE_TENSOR:
-        logger.warning_once(
-            "vllm-kvfill-patch: a state tensor of layer %s, shape %s, has no "
-            "block dimension; filled it whole",
-            layer_name,
-            tuple(tensor.shape),
         )
     if report.zeroed:
         logger.warning_once(
