@@ -61,10 +61,10 @@ def expect_only_pages_changed(pool, before: torch.Tensor, changed: set[int]) -> 
 
 
 @contextlib.contextmanager
-def fp8_connector(config, pool):
-    """A connector over `pool` whose attention cache is fp8 (e4m3) as uint8."""
+def fp8_connector(config, pool, cache_dtype="fp8_e4m3"):
+    """A connector over `pool` whose attention cache is fp8 as uint8."""
     original = config.cache_config.cache_dtype
-    config.cache_config.cache_dtype = "fp8_e4m3"
+    config.cache_config.cache_dtype = cache_dtype
     try:
         kv_cache_config = make_kv_cache_config(pool, fp8_attention=True)
         yield make_worker_connector(config, pool, kv_cache_config)
@@ -480,6 +480,37 @@ def test_fp8_cache_dtype_writes_the_fp8_encoding(vllm_config_for):
     expected = torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert (fp8_cache[2] == expected).all()
     assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3"])
+def test_plain_fp8_is_written_in_the_platforms_own_format(
+    vllm_config_for, monkeypatch, cache_dtype
+):
+    # ROCm's MI300 stores fp8 KV caches as e4m3fnuz (its fp8_dtype()): what
+    # 0.31+'s worker decides per layer, and the overlay decides so before.
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "fp8_dtype", lambda: torch.float8_e4m3fnuz)
+    pool = make_pool(NUM_BLOCKS)
+    fp8_cache = torch.zeros(NUM_BLOCKS, 2, 16, 1, 64, dtype=torch.uint8)
+    pool.caches[ATTENTION_LAYER] = fp8_cache
+    config = vllm_config_for(fill_mean=0.5)
+    with fp8_connector(config, pool, cache_dtype) as connector:
+        start_fill(connector, {"r": (([2], []), 16)})
+    expected = torch.tensor(0.5).to(torch.float8_e4m3fnuz).view(torch.uint8).item()
+    assert expected != torch.tensor(0.5).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert (fp8_cache[2] == expected).all()
+    assert not fp8_cache[[0, 1, *range(3, NUM_BLOCKS)]].any()
+
+
+def test_fp8_kinds_other_than_plain_fp8_get_no_encoding():
+    from vllm_kvfill_patch.replacement import fp8_encoding
+
+    # Packed with their scales, or out of tree: zeros, as 0.31+ decides.
+    for packed in ("fp8_ds_mla", "fp8_per_token_head", "fp8_inc"):
+        assert fp8_encoding(packed) is None, packed
+    assert fp8_encoding("fp8_e5m2") is torch.float8_e5m2
+    assert fp8_encoding("auto") is None
 
 
 @pytest.mark.parametrize("fill_std", [0.0, 0.1], ids=["constant", "random"])

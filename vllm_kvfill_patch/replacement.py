@@ -497,10 +497,19 @@ def _layer_blocks(kv_cache_config: Any) -> dict[str, int]:
 
 
 def fp8_encoding(cache_dtype: str) -> torch.dtype | None:
-    """The fp8 format vLLM stores as uint8 for a ``--kv-cache-dtype`` value."""
-    if not cache_dtype.startswith("fp8"):
+    """The fp8 format a uint8 cache stores for a ``--kv-cache-dtype`` value,
+    decided as vLLM 0.31+'s connector decides it: plain fp8 in the
+    platform's own format (ROCm's MI300 stores e4m3fnuz), e5m2 where named;
+    None (zeros are written) for the other fp8 kinds, packed with scales
+    (``fp8_ds_mla``, per-token-head) or out of tree (``fp8_inc``)."""
+    if cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    if cache_dtype not in ("fp8", "fp8_e4m3"):
         return None
-    return torch.float8_e5m2 if "e5m2" in cache_dtype else torch.float8_e4m3fn
+    from vllm.platforms import current_platform
+
+    platform_fp8 = getattr(current_platform, "fp8_dtype", None)
+    return torch.float8_e4m3fn if platform_fp8 is None else platform_fp8()
 
 
 WRAPPERS = {"DecodeBenchConnector.start_load_kv": load_step}
