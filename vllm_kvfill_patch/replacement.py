@@ -37,7 +37,9 @@ How
     group's block ids, along the cache's true block dimension (see
     ``vllm_kvfill_patch.fill``), in place with bounded scratch memory. A tensor
     cache goes to the block-row fill, a list/tuple of tensors to the state
-    fill, anything else is skipped with one warning per layer. The group map
+    fill, anything else is skipped with one warning per layer; block ids
+    outside a layer's pool are bad input, never written, said once per
+    group. The group map
     comes from ``kv_cache_config.kv_cache_groups`` where upstream collapsed it
     to group 0; the block count from ``kv_cache_config.num_blocks``; each
     group's block size from its spec, to cross-check a kernel split. A step
