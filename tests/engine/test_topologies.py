@@ -14,7 +14,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.engine.engine_probe import RAY_DEVICE_KEY, write_tiny_lfm2
@@ -22,10 +21,10 @@ from tests.engine.helpers import (
     admissions,
     check_processes,
     check_worker_fills,
-    complete,
     free_port,
     run_probe,
     running,
+    send_all,
     serve_command,
     wait_until_healthy,
 )
@@ -40,14 +39,6 @@ vLLM preempts in a rank that gets more than two."""
 
 def http_base(port: int) -> str:
     return f"http://127.0.0.1:{port}"
-
-
-def send_all(base: str, model: Path, count: int, prompt: int, output: int) -> list:
-    """`count` concurrent completions of `prompt` tokens; their token counts."""
-    prompts = [[1 + (seed + i) % 500 for i in range(prompt)] for seed in range(count)]
-    with ThreadPoolExecutor(count) as pool:
-        done = pool.map(lambda p: complete(base, model, p, output), prompts)
-        return [c["usage"]["completion_tokens"] for c in done]
 
 
 def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
