@@ -382,10 +382,54 @@ def test_words_are_indexed_in_memory_order(layout, block_dim):
     pages = fill.group_pages(views, 12, [1, 1, 1])
     assert pages is not None
     words = fill.PagesFill.of(pages, FillValue(0.5)).words
-    assert words is not None
-    view, dim, _ = words
-    assert list(view.stride()) == sorted(view.stride(), reverse=True)
-    assert dim == block_dim and view.shape[dim] == 12
+    assert words is not None and words.layer_rows is None
+    assert list(words.view.stride()) == sorted(words.view.stride(), reverse=True)
+    assert words.dim == block_dim and words.view.shape[block_dim] == 12
+
+
+@pytest.mark.parametrize("layout", ["layer-outer", "block-outer", "heads-inner"])
+def test_pages_as_rows_index_every_layers_page_once_in_memory_order(layout):
+    """As rows (a GPU's indexing): beyond the index a kernel's offsets span
+    one page, and the index lists every layer's page of the blocks once, in
+    ascending addresses."""
+    _, views = layers_of_one_buffer(layout, num_blocks=12)
+    pages = fill.group_pages(views, 12, [1, 1, 1])
+    assert pages is not None
+    rows = fill.PageWords.of(pages, 0.5, as_rows=True)
+    assert rows is not None
+    page_words = pages[0, 0].numel() * pages.element_size() // 16
+    assert rows.view.shape[1:] == (page_words,) and rows.view.stride(1) == 1
+
+    block_ids = [2, 3, 7, 11]
+    starts = [rows.view[row].data_ptr() for row in rows.index_of(block_ids).tolist()]
+    pages_of_blocks = [pages[b, layer] for b in block_ids for layer in range(3)]
+    assert starts == sorted(page.data_ptr() for page in pages_of_blocks)
+
+
+@pytest.mark.parametrize(
+    "layout,ratio",
+    [("layer-outer", 1), ("layer-outer", 2), ("heads-inner", 1), ("block-outer", 1)],
+)
+@pytest.mark.parametrize("block_ids", [[5], [5, 6, 7], [2, 3, 7, 9, 11]])
+def test_pages_written_as_rows_hold_what_layer_by_layer_writes(
+    layout, ratio, block_ids
+):
+    """The rows a GPU writes (from one run on), on the CPU: the same bytes."""
+    blocks = fill.BlockSet(block_ids, 24)
+    by_rows, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    by_layer, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    by_layer.copy_(by_rows)
+    before = by_rows.clone()
+
+    pages = fill.group_pages(views, 24, [ratio] * 3)
+    assert pages is not None
+    rows = fill.PageWords.of(pages, 0.5, as_rows=True)
+    assert rows is not None and rows.min_runs == 1
+    rows.fill_(blocks.ids)
+    for view in layer_views:
+        fill.fill_cache_blocks_(view, blocks, FillValue(0.5), 8, None)
+
+    assert torch.equal(by_rows, by_layer) and not torch.equal(by_rows, before)
 
 
 @pytest.mark.parametrize(

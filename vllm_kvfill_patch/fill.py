@@ -40,10 +40,11 @@ INDEXED_MIN_RUNS = 2
 """From two runs of consecutive blocks on, one indexed kernel
 (`index_fill_` / `index_copy_`) fills them, not a loop of slice fills: on a
 GPU whatever the rows (the index copy and one fill, never more than the
-loop's kernels); on the CPU for a group's pages as 16-byte words, worked
-out once (a 0.33 step of one request, whose attention group has 2 runs of
-12 x 4 KiB pages and whose Mamba groups 3 single blocks: 49 us, against 63 -
-73 us with the attention group looped; two threads)."""
+loop's kernels; a group's pages from one run on, see `PageWords`); on the
+CPU for a group's pages as 16-byte words, worked out once (a 0.33 step of
+one request, whose attention group has 2 runs of 12 x 4 KiB pages and
+whose Mamba groups 3 single blocks: 49 us, against 63 - 73 us with the
+attention group looped; two threads)."""
 
 CPU_INDEXED_MIN_RUNS = 8
 """On the CPU, for a single tensor (its words worked out at each call) or
@@ -125,15 +126,15 @@ def _runs_of(ids: list[int]) -> list[tuple[int, int]]:
 
 
 def _has_runs(ids: list[int], count: int) -> bool:
-    if not ids:
-        return count <= 0
-    found = 1
+    found = 1 if ids else 0
+    if found >= count:
+        return True
     for previous, block_id in pairwise(ids):
         if block_id != previous + 1:
             found += 1
             if found >= count:
                 return True
-    return found >= count
+    return False
 
 
 class RowRuns:
@@ -180,14 +181,21 @@ class RowRuns:
 def _row_index(block_ids: list[int], ratio: int, device: torch.device) -> torch.Tensor:
     """The rows of `block_ids` where each block is `ratio` rows, as an index
     tensor on `device`."""
+    index = _host_index(block_ids)
+    if ratio != 1:
+        index = (index[:, None] * ratio + torch.arange(ratio)).flatten()
+    return _to_device(index, device)
+
+
+def _host_index(block_ids: list[int]) -> torch.Tensor:
     # Through an int64 array: 4x faster than torch.tensor(list).
     ids = array.array("q", block_ids)
     if ids:
-        index = torch.frombuffer(ids, dtype=torch.long)
-    else:  # frombuffer refuses an empty buffer
-        index = torch.empty(0, dtype=torch.long)
-    if ratio != 1:
-        index = (index[:, None] * ratio + torch.arange(ratio)).flatten()
+        return torch.frombuffer(ids, dtype=torch.long)
+    return torch.empty(0, dtype=torch.long)  # frombuffer refuses an empty buffer
+
+
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device == _CPU:  # compared first: `device.type` builds a string (0.6 us)
         return index
     if device.type == "cuda":
@@ -365,8 +373,8 @@ class PagesFill:
     constant: float | int
     zeroed: bool
     """Zeros are written because the dtype cannot hold the value."""
-    words: tuple[torch.Tensor, int, complex] | None
-    """The pages as words, see `_as_wide_words`."""
+    words: PageWords | None
+    """The pages as words for one indexed kernel, see `PageWords.of`."""
 
     @classmethod
     def of(cls, pages: torch.Tensor, value: FillValue) -> PagesFill:
@@ -374,7 +382,8 @@ class PagesFill:
         constant = _constant_for(pages.dtype, value)
         zeroed = constant is None and bool(value.mean)
         written = 0 if constant is None else constant
-        return cls(pages, written, zeroed, _as_wide_words(pages, written))
+        words = PageWords.of(pages, written, as_rows=pages.device != _CPU)
+        return cls(pages, written, zeroed, words)
 
     @property
     def writes(self) -> tuple:
@@ -394,19 +403,104 @@ class PagesFill:
     def write_(self, block_ids: Iterable[int]) -> list[int]:
         """Write the constant into the pages of `block_ids` (the valid ones,
         see `sort_block_ids`): as words by one indexed kernel from
-        `INDEXED_MIN_RUNS` runs on, else as a single tensor. Without the
+        `PageWords.min_runs` runs on, else as a single tensor. Without the
         `BlockSet` the layer-by-layer fills share: a pages fill is one write,
         and a set's bookkeeping cost ~2.5 us of it. Returns the ids outside
         the pages' pool, not written."""
         ids, outside = sort_block_ids(block_ids, self.pages.shape[0])
         if not ids:
             return outside
-        if self.words is not None and _has_runs(ids, INDEXED_MIN_RUNS):
-            view, dim, word = self.words
-            view.index_fill_(dim, _row_index(ids, 1, view.device), word)
+        if self.words is not None and _has_runs(ids, self.words.min_runs):
+            self.words.fill_(ids)
         else:
             _fill_constant_runs_(self.pages, RowRuns(ids), self.constant)
         return outside
+
+
+@dataclass(frozen=True, eq=False)
+class PageWords:
+    """A ``group_pages`` view as 16-byte words, indexed by one kernel, and
+    the word that repeats the fill's constant.
+
+    On the CPU, the ``(blocks, layers, page)`` words in memory order (see
+    `_as_wide_words`), indexed along the blocks by a step's ids as they are.
+
+    Elsewhere, as rows (`as_rows`): one dimension, a page each, layer l's
+    page of block b at row ``b * block_rows + layer_rows[l]``, indexed by
+    every layer's row of the ids, in memory order. Beyond the index the
+    kernel's offsets then span one page; over (blocks, layers) they span
+    every layer's region, gigabytes in a real pool, and CUDA splits a
+    kernel whose offsets pass 2 GiB into one kernel per 2 GiB. From one run
+    of blocks on, too: a slice of the pages spans the layers as well. The
+    layers' rows cost the CPU a broadcast add per step (about 5 us), which
+    it does not need: its kernels take 64-bit offsets.
+    """
+
+    view: torch.Tensor
+    """complex128 words over the pages' memory: ``(rows, page)`` as rows,
+    else the pages' dims in memory order."""
+    dim: int
+    """The dimension the index runs along."""
+    word: complex
+    min_runs: int
+    """From this many runs of blocks on the kernel writes them."""
+    layer_rows: torch.Tensor | None = None
+    """As rows, each layer's row of block 0, shaped to broadcast against the
+    blocks' rows (`blocks_shape`) in memory order: ``(layers, 1)`` where each
+    layer is one region, ``(1, layers)`` where each block holds every layer."""
+    blocks_shape: tuple[int, int] = (1, -1)
+    block_rows: int = 1
+
+    @classmethod
+    def of(
+        cls, pages: torch.Tensor, constant: float | int, as_rows: bool
+    ) -> PageWords | None:
+        """None where the pages do not divide into aligned words, the device
+        cannot write such a word exactly, or (`as_rows`) the layers' pages
+        are not whole rows of one stride."""
+        if not as_rows:
+            words = _as_wide_words(pages, constant)
+            return None if words is None else cls(*words, INDEXED_MIN_RUNS)
+        word = _word_for(pages.dtype, constant, pages.device)
+        if word is None:
+            return None
+        try:
+            words = pages.view(torch.complex128)
+        except RuntimeError:  # the page not contiguous, or not whole words
+            return None
+        num_blocks, layers, page = words.shape
+        block_stride, layer_stride, _ = words.stride()
+        row_stride = math.gcd(block_stride, layer_stride)
+        if row_stride < page:  # rows would overlap
+            return None
+        last_row = (
+            (num_blocks - 1) * block_stride + (layers - 1) * layer_stride
+        ) // row_stride
+        layer_rows = torch.arange(layers) * (layer_stride // row_stride)
+        layers_outer = layer_stride > block_stride
+        return cls(
+            words.as_strided((last_row + 1, page), (row_stride, 1)),
+            0,
+            word,
+            1,
+            layer_rows.view((-1, 1) if layers_outer else (1, -1)),
+            (1, -1) if layers_outer else (-1, 1),
+            block_stride // row_stride,
+        )
+
+    def fill_(self, block_ids: list[int]) -> None:
+        """Write the word into every layer's page of `block_ids` (sorted)."""
+        index = _to_device(self.index_of(block_ids), self.view.device)
+        self.view.index_fill_(self.dim, index, self.word)
+
+    def index_of(self, block_ids: list[int]) -> torch.Tensor:
+        """The index of `block_ids` (sorted) along `dim`, on the CPU."""
+        blocks = _host_index(block_ids)
+        if self.layer_rows is None:
+            return blocks
+        if self.block_rows != 1:
+            blocks = blocks * self.block_rows
+        return (self.layer_rows + blocks.view(self.blocks_shape)).view(-1)
 
 
 def _as_wide_words(
@@ -421,9 +515,9 @@ def _as_wide_words(
     scattered pages near memset speed (1,250 scattered blocks of 12 x 4
     KiB: 1.8x a memset of the bytes, against 4.9x for a loop of slice fills
     and 3.4x for ``index_fill_`` on int64 words; two threads). It walks the
-    dims in the view's order: in memory order (a group's pages are
-    layer-major in layer-outer layouts) it writes ascending addresses, about
-    12% faster on the CPU than block-major.
+    dims in the view's order: in memory order it writes ascending addresses
+    (a group's pages, layer-major in layer-outer layouts: about 12% faster
+    on the CPU than block-major).
     """
     if rows.dim() < 2:
         return None  # rows of one element would merge into words

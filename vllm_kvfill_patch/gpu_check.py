@@ -12,14 +12,16 @@ way the overlay does (per group: the layers' pages as one view, one write;
 groups over the same pages written together), and checks:
 
 - bytes: every case (bf16 kernel-split, float8 dtype, fp8 stored as uint8,
-  int8 pages, compressed states) filled on the device equals the same fill
-  on the CPU, byte for byte, and nothing outside the requested blocks moved;
+  int8 pages, compressed states), scattered blocks and one run of them,
+  filled on the device equals the same fill on the CPU, byte for byte, and
+  nothing outside the requested blocks moved;
 - no host synchronisation in a whole step (``torch.cuda.set_sync_debug_mode
   ("error")``);
-- kernels per group per step, counted with the profiler;
-- the step's time against a memset of exactly the bytes it writes, at 1, 16,
-  256 and 1024 requests of a 48-layer hybrid with Qwen3-Next-80B-at-TP=4
-  pages (536 KiB).
+- the step's time against a memset of exactly the bytes it writes, and its
+  kernels (counted with the profiler), at 1, 16, 256 and 1024 requests of a
+  48-layer hybrid with Qwen3-Next-80B-at-TP=4 pages (536 KiB): from 256
+  requests a group's pages span more than 2 GiB, where CUDA would split a
+  kernel whose offsets reach that far.
 
 Exit status 1 when the bytes differ or a step synchronises; the timings and
 kernel counts are printed, for the README's table.
@@ -117,26 +119,45 @@ def fill_case(
     return buffer.cpu()
 
 
+BLOCK_ID_CASES = {
+    "scattered": [1, 2, 3, 7, 11, 12, 20, 23],
+    "one run": [5, 6, 7],
+}
+
+
 def check_bytes(device: torch.device, page_bytes: int) -> bool:
-    num_blocks, block_ids = 24, [1, 2, 3, 7, 11, 12, 20, 23]
+    num_blocks = 24
     ok = True
     for case in CASES:
-        on_device = fill_case(device, case, page_bytes, block_ids, num_blocks)
-        on_cpu = fill_case(torch.device("cpu"), case, page_bytes, block_ids, num_blocks)
-        untouched = fill_case(torch.device("cpu"), case, page_bytes, [], num_blocks)
-        same = torch.equal(on_device, on_cpu)
-        pages = on_cpu.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
-        before = untouched.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
-        others = [b for b in range(num_blocks) if b not in block_ids]
-        outside_kept = torch.equal(pages[:, others], before[:, others])
-        inside_written = not torch.equal(pages[:, block_ids], before[:, block_ids])
-        good = same and outside_kept and inside_written
-        ok &= good
-        print(
-            f"bytes  {case:<26} {'ok' if good else 'WRONG'} (device = CPU: {same}, "
-            f"other blocks kept: {outside_kept}, requested written: {inside_written})"
-        )
+        for blocks, block_ids in BLOCK_ID_CASES.items():
+            ok &= check_case(device, case, page_bytes, block_ids, num_blocks, blocks)
     return ok
+
+
+def check_case(
+    device: torch.device,
+    case: str,
+    page_bytes: int,
+    block_ids: list[int],
+    num_blocks: int,
+    blocks: str,
+) -> bool:
+    on_device = fill_case(device, case, page_bytes, block_ids, num_blocks)
+    on_cpu = fill_case(torch.device("cpu"), case, page_bytes, block_ids, num_blocks)
+    untouched = fill_case(torch.device("cpu"), case, page_bytes, [], num_blocks)
+    same = torch.equal(on_device, on_cpu)
+    pages = on_cpu.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
+    before = untouched.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
+    others = [b for b in range(num_blocks) if b not in block_ids]
+    outside_kept = torch.equal(pages[:, others], before[:, others])
+    inside_written = not torch.equal(pages[:, block_ids], before[:, block_ids])
+    good = same and outside_kept and inside_written
+    print(
+        f"bytes  {case + ', ' + blocks:<37} {'ok' if good else 'WRONG'} "
+        f"(device = CPU: {same}, other blocks kept: {outside_kept}, "
+        f"requested written: {inside_written})"
+    )
+    return good
 
 
 class Step:
@@ -205,25 +226,18 @@ def check_no_sync(device: torch.device, page_bytes: int) -> bool:
     return ok
 
 
-def kernels_per_group(device: torch.device, page_bytes: int) -> None:
-    if device.type != "cuda":
-        print("kernels not a CUDA device: not counted")
-        return
+def kernels_in(step: Step, device: torch.device) -> list[str]:
+    """The names of the kernels (and copies) one run of `step` launches."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = Step(device, 16, page_bytes)
     step.run()  # warm-up
+    torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step.run()
         torch.cuda.synchronize(device)
-    kernels = [
-        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    return [
+        e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
     ]
-    names = sorted({e.name for e in kernels})
-    print(
-        f"kernels {len(kernels)} in a step of {GROUPS} groups "
-        f"({len(kernels) / GROUPS:.1f} per group, index copies included): {names}"
-    )
 
 
 def timed(call: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -244,25 +258,36 @@ def time_steps(
     device: torch.device, page_bytes: int, requests: tuple, repeats: int
 ) -> None:
     print(
-        f"\n| requests | filled GiB | memset ms | step ms | step/memset |  "
+        f"\n| requests | filled GiB | memset ms | step ms | step/memset "
+        f"| kernels per step ({GROUPS} groups) |  "
         f"(pages {page_bytes // 1024} KiB, {device})"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
+    names: set[str] = set()
     for count in requests:
-        print(time_row(device, page_bytes, count, repeats), flush=True)
+        row, kernels = time_row(device, page_bytes, count, repeats)
+        print(row, flush=True)
+        names.update(kernels)
+    if names:
+        print(f"kernels (copies of the index included): {sorted(names)}")
 
 
-def time_row(device: torch.device, page_bytes: int, count: int, repeats: int) -> str:
+def time_row(
+    device: torch.device, page_bytes: int, count: int, repeats: int
+) -> tuple[str, list[str]]:
     step = Step(device, count, page_bytes)
     # The same number of bytes, contiguous, in the caches' own buffer: at
     # 1024 requests the caches take half an H200.
     memset_view = step.buffer[: step.filled_bytes]
     memset = timed(lambda: memset_view.fill_(1), device, repeats)
     step_time = timed(step.run, device, repeats)
-    return (
+    kernels = kernels_in(step, device) if device.type == "cuda" else []
+    row = (
         f"| {count} | {step.filled_bytes / 2**30:.2f} | {memset * 1e3:.3f} "
-        f"| {step_time * 1e3:.3f} | {step_time / memset:.2f}x |"
+        f"| {step_time * 1e3:.3f} | {step_time / memset:.2f}x "
+        f"| {len(kernels) if device.type == 'cuda' else '-'} |"
     )
+    return row, kernels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__} on {name}")
     ok = check_bytes(device, QUICK_PAGE_BYTES)
     ok &= check_no_sync(device, page_bytes)
-    kernels_per_group(device, page_bytes)
     time_steps(
         device, page_bytes, QUICK_REQUESTS if args.quick else REQUESTS, args.repeats
     )
