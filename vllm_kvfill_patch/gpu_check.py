@@ -15,16 +15,19 @@ groups over the same pages written together), and checks:
   int8 pages, compressed states), scattered blocks and one run of them,
   filled on the device equals the same fill on the CPU, byte for byte, and
   nothing outside the requested blocks moved;
-- no host synchronisation in a whole step (``torch.cuda.set_sync_debug_mode
-  ("error")``);
-- the step's time against a memset of exactly the bytes it writes, and its
-  kernels (counted with the profiler), at 1, 16, 256 and 1024 requests of a
-  48-layer hybrid with Qwen3-Next-80B-at-TP=4 pages (536 KiB): from 256
-  requests a group's pages span more than 2 GiB, where CUDA would split a
-  kernel whose offsets reach that far.
+- no host synchronisation (``torch.cuda.set_sync_debug_mode("error")``) in
+  a whole step whose fills are worked out in it, nor in the layer-by-layer
+  fills, random ones included;
+- the step's time against a memset of exactly the bytes it writes, what the
+  host pays for it, its kernels (counted with the profiler; no copy from
+  pageable memory) and its pages farthest apart (against the CPU's), at 1,
+  16, 256 and 1024 requests of a 48-layer hybrid with
+  Qwen3-Next-80B-at-TP=4 pages (536 KiB): from 256 requests a group's pages
+  span more than 2 GiB, where CUDA would split a kernel whose offsets reach
+  that far.
 
-Exit status 1 when the bytes differ or a step synchronises; the timings and
-kernel counts are printed, for the README's table.
+Exit status 1 when bytes differ, a fill synchronises or copies from pageable
+memory; the timings and kernel counts are printed, for the README's table.
 """
 
 from __future__ import annotations
@@ -160,6 +163,11 @@ def check_case(
     return good
 
 
+UNWRITTEN = 0x55
+"""The byte a step's buffer holds before the step: zeros (the Mamba pages'
+fill) show against it."""
+
+
 class Step:
     """A 48-layer hybrid's caches over one backing buffer, and one scheduler
     step of `requests` requests: per group its pages view and block ids."""
@@ -167,8 +175,9 @@ class Step:
     def __init__(self, device: torch.device, requests: int, page_bytes: int) -> None:
         blocks_per_request = ATTENTION_BLOCKS + (GROUPS - 1) * STATE_BLOCKS
         self.num_blocks = 1 + requests * blocks_per_request
+        self.page_bytes = page_bytes
         size = LAYERS_PER_GROUP * self.num_blocks * page_bytes
-        self.buffer = torch.zeros(size, dtype=torch.int8, device=device)
+        self.buffer = torch.full((size,), UNWRITTEN, dtype=torch.int8, device=device)
         order = torch.randperm(
             self.num_blocks - 1, generator=torch.Generator().manual_seed(0)
         )
@@ -204,25 +213,104 @@ class Step:
         for pages_fill, block_ids in self.writes.values():
             pages_fill.write_(block_ids)
 
+    def far_pages_right(self) -> bool:
+        """One step over an unwritten buffer, then the pages farthest apart
+        compared with the CPU's fill: each group's lowest and highest block
+        in the first and the last layer (from 256 requests, gigabytes past
+        the buffer's start), and the null block's, left unwritten."""
+        self.buffer.fill_(UNWRITTEN)
+        self.run()
+        layers = self.buffer.view(LAYERS_PER_GROUP, self.num_blocks, self.page_bytes)
+        unwritten = torch.full((self.page_bytes,), UNWRITTEN, dtype=torch.int8)
+        right = True
+        for caches, _, block_ids, value in self.groups:
+            page = expected_page(caches[0].dtype, value, self.page_bytes)
+            for layer in (0, LAYERS_PER_GROUP - 1):
+                for block, expected in (
+                    (min(block_ids), page),
+                    (max(block_ids), page),
+                    (fill.NULL_BLOCK_ID, unwritten),
+                ):
+                    right &= torch.equal(layers[layer, block].cpu(), expected)
+        return right
+
+
+def expected_page(dtype: torch.dtype, value: object, page_bytes: int) -> torch.Tensor:
+    """A page of `dtype` filled with `value` (a ``fill.FillValue``) by the
+    CPU, as its bytes."""
+    pages = torch.zeros(2, 1, page_bytes, dtype=torch.int8).view(dtype)
+    fill.fill_group_pages_(pages, fill.BlockSet([1], 2), value)
+    return pages[1, 0].view(torch.int8)
+
+
+def sync_cases(device: torch.device, page_bytes: int) -> dict[str, Callable]:
+    """Calls that must not synchronise with the host: a step whose fills are
+    worked out in it (a group's first fill), and the layer-by-layer fills,
+    random ones included, of caches that are not pages of one buffer."""
+    num_blocks = 24
+    buffer = torch.zeros(
+        LAYERS_PER_GROUP * num_blocks * QUICK_PAGE_BYTES,
+        dtype=torch.int8,
+        device=device,
+    )
+
+    def layer(dtype: torch.dtype) -> torch.Tensor:
+        return group_caches(buffer, num_blocks, QUICK_PAGE_BYTES, dtype, 1)[0]
+
+    conv = torch.zeros(num_blocks, 3, 2048, device=device)
+    recurrent = torch.zeros(num_blocks, 8, 128, 128, device=device)
+    scattered = fill.BlockSet(BLOCK_ID_CASES["scattered"], num_blocks)
+    one_run = fill.BlockSet(BLOCK_ID_CASES["one run"], num_blocks)
+    constant, random = fill.FillValue(0.015), fill.FillValue(0.0, 1.0)
+    random_fp8 = fill.FillValue(0.0, 1.0, torch.float8_e4m3fn)
+    return {
+        "a step of 16 requests, its fills worked out in it": (
+            lambda: Step(device, 16, page_bytes).run()
+        ),
+        "constant, one layer (bf16)": (
+            lambda: fill.fill_cache_blocks_(layer(torch.bfloat16), scattered, constant)
+        ),
+        "random, one layer (bf16)": (
+            lambda: fill.fill_cache_blocks_(layer(torch.bfloat16), scattered, random)
+        ),
+        "random, one layer (bf16), one run": (
+            lambda: fill.fill_cache_blocks_(layer(torch.bfloat16), one_run, random)
+        ),
+        "random, one layer (fp8 stored as uint8)": (
+            lambda: fill.fill_cache_blocks_(layer(torch.uint8), scattered, random_fp8)
+        ),
+        "random, one layer (float8 dtype)": (
+            lambda: fill.fill_cache_blocks_(
+                layer(torch.float8_e4m3fn), scattered, random
+            )
+        ),
+        "random, Mamba states (fp32)": (
+            lambda: fill.fill_state_blocks_([conv, recurrent], scattered, random)
+        ),
+    }
+
 
 def check_no_sync(device: torch.device, page_bytes: int) -> bool:
+    cases = sync_cases(device, page_bytes)
     if device.type != "cuda":
-        print("sync   not a CUDA device: not checked")
+        for call in cases.values():
+            call()
+        print(f"sync   not a CUDA device: {len(cases)} cases ran, not checked")
         return True
-    step = Step(device, 16, page_bytes)
-    torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step.run()
-        ok = True
-    except RuntimeError as exc:
-        print(f"sync   a step synchronised with the host: {exc}")
-        ok = False
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize(device)
-    if ok:
-        print("sync   none in a step of 16 requests")
+    fill._signed_word_for.cache_clear()  # a first fill checks its word, too
+    ok = True
+    for case, call in cases.items():
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            print(f"sync   none: {case}")
+        except RuntimeError as exc:
+            print(f"sync   SYNCHRONISED: {case}: {exc}")
+            ok = False
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize(device)
     return ok
 
 
@@ -240,7 +328,11 @@ def kernels_in(step: Step, device: torch.device) -> list[str]:
     ]
 
 
-def timed(call: Callable[[], object], device: torch.device, repeats: int) -> float:
+def timed(
+    call: Callable[[], object], device: torch.device, repeats: int, wait: bool = True
+) -> float:
+    """The median time of `call`; with `wait`, until the device has done it,
+    else until it returns (what the host pays: on a GPU the launches)."""
     call()
     times = []
     for _ in range(repeats):
@@ -248,46 +340,62 @@ def timed(call: Callable[[], object], device: torch.device, repeats: int) -> flo
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         call()
-        if device.type == "cuda":
+        if wait and device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return sorted(times)[len(times) // 2]
 
 
 def time_steps(
     device: torch.device, page_bytes: int, requests: tuple, repeats: int
-) -> None:
+) -> bool:
+    """The table; False where the far pages are wrong or the index was copied
+    from pageable memory (a hidden synchronisation)."""
     print(
-        f"\n| requests | filled GiB | memset ms | step ms | step/memset "
-        f"| kernels per step ({GROUPS} groups) |  "
+        f"\n| requests | filled GiB | memset ms | step ms | step/memset | step host ms "
+        f"| kernels per step ({GROUPS} groups) | far pages |  "
         f"(pages {page_bytes // 1024} KiB, {device})"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
     names: set[str] = set()
     for count in requests:
-        row, kernels = time_row(device, page_bytes, count, repeats)
+        row, kernels, row_ok = time_row(device, page_bytes, count, repeats)
         print(row, flush=True)
         names.update(kernels)
+        ok &= row_ok
     if names:
         print(f"kernels (copies of the index included): {sorted(names)}")
+    pageable = sorted(name for name in names if "Pageable" in name)
+    if pageable:
+        print(f"copies from pageable memory (a host synchronisation): {pageable}")
+    return ok and not pageable
 
 
 def time_row(
     device: torch.device, page_bytes: int, count: int, repeats: int
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], bool]:
     step = Step(device, count, page_bytes)
     # The same number of bytes, contiguous, in the caches' own buffer: at
     # 1024 requests the caches take half an H200.
     memset_view = step.buffer[: step.filled_bytes]
     memset = timed(lambda: memset_view.fill_(1), device, repeats)
     step_time = timed(step.run, device, repeats)
+    host_time = timed(step.run, device, repeats, wait=False)
     kernels = kernels_in(step, device) if device.type == "cuda" else []
+    if device.type != "cuda":
+        counted = "-"
+    else:  # none seen: the profiler (CUPTI) is missing, not the kernels
+        counted = str(len(kernels)) if kernels else "? (no profiler)"
+    far_right = step.far_pages_right()
     row = (
         f"| {count} | {step.filled_bytes / 2**30:.2f} | {memset * 1e3:.3f} "
         f"| {step_time * 1e3:.3f} | {step_time / memset:.2f}x "
-        f"| {len(kernels) if device.type == 'cuda' else '-'} |"
+        f"| {host_time * 1e3:.3f} | {counted} | {'ok' if far_right else 'WRONG'} |"
     )
-    return row, kernels
+    return row, kernels, far_right
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__} on {name}")
     ok = check_bytes(device, QUICK_PAGE_BYTES)
     ok &= check_no_sync(device, page_bytes)
-    time_steps(
+    ok &= time_steps(
         device, page_bytes, QUICK_REQUESTS if args.quick else REQUESTS, args.repeats
     )
     print("\nresult:", "ok" if ok else "FAILED")
