@@ -216,6 +216,17 @@ def _plain_monkeypatch(owner, name: str) -> None:
     setattr(owner, name, traced)
 
 
+def _closure_without_wrapped(owner, name: str) -> None:
+    """A closure that hides what it wraps (no functools.wraps), and so its
+    signature too."""
+    original = getattr(owner, name)
+
+    def traced(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    setattr(owner, name, traced)
+
+
 def _wrapt_wrapper(owner, name: str) -> None:
     import wrapt
 
@@ -229,6 +240,7 @@ def _replace_outright(owner, name: str) -> None:
 
 FOREIGN_PATCHES = {
     "plain monkeypatch": _plain_monkeypatch,
+    "closure without __wrapped__": _closure_without_wrapped,
     "wrapt wrapper": _wrapt_wrapper,
     "replaced outright": _replace_outright,
     "none": None,
@@ -263,6 +275,30 @@ def step_behaviour() -> str:
     return "patched" if rows == [3] else "upstream whole"
 
 
+def refill_behaviour() -> str:
+    """What the scheduler side answers right now for a preempted request it
+    filled before: 'refill' (all 8 tokens but the last are matched) or
+    'upstream' (none: vLLM prefills it)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    module = sys.modules[CONNECTOR_MODULE]
+    scheduler = object.__new__(module.DecodeBenchConnectorScheduler)
+    scheduler._filled_requests, scheduler._pending_fills = {"r"}, {}
+    request = SimpleNamespace(
+        request_id="r",
+        num_tokens=8,
+        num_computed_tokens=0,
+        num_preemptions=1,
+        status=RequestStatus.PREEMPTED,
+    )
+    matched, _ = module.DecodeBenchConnectorScheduler.get_num_new_matched_tokens(
+        scheduler, request, 0
+    )
+    return {7: "refill", 0: "upstream"}.get(matched, f"{matched} matched")
+
+
 def _config_with_blocks(num_blocks: int):
     from types import SimpleNamespace
 
@@ -270,14 +306,18 @@ def _config_with_blocks(num_blocks: int):
     return SimpleNamespace(cache_config=cache_config)
 
 
-def foreign_patch_report(foreign: str, steps: list[str]) -> dict:
-    """Ours applied, another patch put above it, then `steps`; never raises?"""
+def foreign_patch_report(
+    foreign: str, steps: list[str], target: str = "DecodeBenchConnector.start_load_kv"
+) -> dict:
+    """Ours applied, another patch put above it on `target`, then `steps`;
+    never raises?"""
     import vllm_kvfill_patch
 
     _import_connector()
     module = sys.modules[CONNECTOR_MODULE]
+    owner, _, name = target.rpartition(".")
     if FOREIGN_PATCHES[foreign] is not None:
-        FOREIGN_PATCHES[foreign](module.DecodeBenchConnector, "start_load_kv")
+        FOREIGN_PATCHES[foreign](getattr(module, owner), name)
     report: dict = {"raised": None, "after": []}
     try:
         for step in steps:
@@ -288,6 +328,7 @@ def foreign_patch_report(foreign: str, steps: list[str]) -> dict:
                     "decision": vllm_kvfill_patch.status().decision.value,
                     "reason": vllm_kvfill_patch.status().reason,
                     "behaviour": step_behaviour(),
+                    "refill": refill_behaviour(),
                 }
             )
     except Exception as exc:  # noqa: BLE001 - the report says what raised

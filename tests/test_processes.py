@@ -209,6 +209,37 @@ def test_revert_and_apply_hold_under_another_patch(foreign, vllm_version):
         assert steps["revert0"]["reason"] == "reverted by revert()"
 
 
+@pytest.mark.parametrize(
+    "foreign", ["plain monkeypatch", "closure without __wrapped__"]
+)
+def test_apply_after_revert_under_a_patch_on_the_refill(foreign, vllm_version):
+    """Another library's closure over our refill wrapper: revert() cannot take
+    ours out from under it, and takes the other parts out; apply() must put
+    every part back, or none where it refuses."""
+    report = run_fresh(
+        children.foreign_patch_report,
+        foreign,
+        ["revert", "apply", "set kill switch", "apply"],
+        "DecodeBenchConnectorScheduler.get_num_new_matched_tokens",
+    )
+    assert report["raised"] is None
+    reverted, applied, _, disabled = report["after"]
+    upstream = upstream_behaviour(vllm_version)
+    assert (reverted["behaviour"], reverted["refill"]) == (upstream, "upstream")
+    if foreign == "plain monkeypatch":
+        # Ours stays under the closure, passing calls through: apply() arms
+        # it again and puts back the fill that revert() took out.
+        assert applied["decision"] == "applied"
+        assert (applied["behaviour"], applied["refill"]) == ("patched", "refill")
+    else:
+        # The closure hides ours and its signature: apply() refuses, and our
+        # wrapper it lost track of under the closure stays off.
+        assert applied["decision"] == "refused"
+        assert (applied["behaviour"], applied["refill"]) == (upstream, "upstream")
+    assert disabled["decision"] == "disabled"
+    assert (disabled["behaviour"], disabled["refill"]) == (upstream, "upstream")
+
+
 def test_a_method_replaced_outright_is_judged_afresh_by_apply(vllm_version):
     report = run_fresh(
         children.foreign_patch_report, "replaced outright", ["revert", "apply"]

@@ -114,8 +114,11 @@ def apply() -> PatchStatus:
                 _decide(Decision.DISABLED, _DISABLED_REASON + leftover)
             else:
                 _installer.wanted = True
-                _forget_replaced_wrappers(sys.modules.get(CONNECTOR_MODULE))
+                module = sys.modules.get(CONNECTOR_MODULE)
+                _forget_replaced_wrappers(module)
                 if _installer.handles:  # still in place: active again
+                    # with the parts revert() could take out put back
+                    _install(module, _installer.applied_parts)
                     _decide(
                         Decision.APPLIED,
                         _installer.applied_reason,
@@ -222,19 +225,24 @@ def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
     }
     for part in parts:
         for path, wrapper in wrappers[part].items():
-            _installer.handles[path] = wrapt.wrap_function_wrapper(
-                module, path, _while_wanted(wrapper)
-            )
+            if path not in _installer.handles:
+                _installer.handles[path] = wrapt.wrap_function_wrapper(
+                    module, path, _while_ours(path, wrapper)
+                )
 
 
-def _while_wanted(wrapper):
-    """`wrapper` while the patch is wanted; upstream's method once it is not.
+def _while_ours(path: str, wrapper: Any) -> Any:
+    """`wrapper` while the patch is wanted and this wrapper is the one kept
+    for `path`; upstream's method otherwise.
 
-    What makes revert() hold where our wrapper cannot be taken out.
+    What makes revert() hold where our wrapper cannot be taken out, and keeps
+    one we lost track of (a closure above it without ``__wrapped__``) passing
+    calls through, whatever a later apply() decides.
     """
 
     def gate(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if _installer.wanted:
+        handle = _installer.handles.get(path)
+        if _installer.wanted and handle is not None and handle._self_wrapper is gate:
             return wrapper(wrapped, instance, args, kwargs)
         return wrapped(*args, **kwargs)
 
