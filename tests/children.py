@@ -21,10 +21,11 @@ CONNECTOR_METHODS = {
     "start_fill_kv": "DecodeBenchConnectorWorker",
     "_fill_blocks": "DecodeBenchConnectorWorker",
     "get_num_new_matched_tokens": "DecodeBenchConnectorScheduler",
-    "update_state_after_alloc": "DecodeBenchConnectorScheduler",
+    "update_state_after_alloc": "DecodeBenchConnector",
 }
 """The methods a step and a scheduling go through; the overlay wraps
-``start_load_kv`` and the scheduler's two (the second up to 0.29), never the
+``start_load_kv``, the scheduler side's ``get_num_new_matched_tokens`` and,
+up to 0.29, the connector's ``update_state_after_alloc``, never the
 worker's."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import subprocess
@@ -190,3 +191,14 @@ def series_commits(upstream_tree, vllm_version) -> list[str]:
     git("checkout", "-q", "-f", "--detach", f"v{release}")
     git("am", "--keep-non-patch", *map(str, series))
     return git("rev-list", "--reverse", f"v{release}..HEAD").split()
+
+
+@pytest.fixture
+def vllm_log():
+    """What vLLM's loggers (which do not propagate) say at WARNING and above."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("vllm").addHandler(handler)
+    yield records
+    logging.getLogger("vllm").removeHandler(handler)

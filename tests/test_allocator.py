@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-import logging
 from types import ModuleType
 
 import pytest
@@ -226,17 +225,6 @@ def test_every_layout_vllm_accepts_is_filled_byte_for_byte(base_config, case):
         start_fill(connector, {"r": (tuple(ids_by_group), 48)})
         assert torch.equal(buffer, expected), f"{case}, {layout.name}"
     assert accepted, f"vLLM accepted no layout for {case}"
-
-
-@pytest.fixture
-def vllm_log():
-    """What vLLM's loggers (which do not propagate) say at WARNING and above."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logging.getLogger("vllm").addHandler(handler)
-    yield records
-    logging.getLogger("vllm").removeHandler(handler)
 
 
 @behaviour

@@ -27,6 +27,14 @@ GENERATED = 3
 @pytest.fixture
 def connector(vllm_config_for):
     """A real scheduler-role DecodeBenchConnector over one attention group."""
+    config = vllm_config_for(fill_mean=0.5)
+    config.cache_config.block_size = BLOCK_SIZE  # what the platform would set
+    return scheduler_connector(config, [BLOCK_SIZE])
+
+
+def scheduler_connector(config, block_sizes: list[int]):
+    """A real scheduler-role DecodeBenchConnector over one attention group of
+    each block size."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import (
         KVConnectorRole,
         decode_bench_connector,
@@ -38,21 +46,21 @@ def connector(vllm_config_for):
         KVCacheTensor,
     )
 
-    config = vllm_config_for(fill_mean=0.5)
-    config.cache_config.block_size = BLOCK_SIZE  # what the platform would set
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=1,
-        head_size=64,
-        dtype=config.model_config.dtype,
-    )
-    layer = "model.layers.1.self_attn.attn"
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
+    tensors, groups = [], []
+    for index, block_size in enumerate(block_sizes):
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=64,
+            dtype=config.model_config.dtype,
+        )
+        layer = f"model.layers.{index + 1}.self_attn.attn"
+        tensors.append(
             kv_cache_tensor(KVCacheTensor, NUM_BLOCKS, spec.page_size_bytes, layer)
-        ],
-        kv_cache_groups=[KVCacheGroupSpec([layer], spec)],
+        )
+        groups.append(KVCacheGroupSpec([layer], spec))
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups
     )
     return decode_bench_connector.DecodeBenchConnector(
         config, KVConnectorRole.SCHEDULER, kv_cache_config
@@ -143,6 +151,50 @@ def test_after_a_prefix_cache_hit_the_blocks_after_it_are_filled(connector, hit_
     matched, fills = schedule(connector, request, 1, num_computed_tokens=hit_tokens)
     assert matched == PROMPT - 1 - hit_tokens
     assert fills == {"r": ((list(range(1 + hit_blocks, 4)),), matched)}
+
+
+def test_after_a_hit_each_group_is_filled_by_its_own_block_size(vllm_config_for):
+    """vLLM raises a group's block size where the groups' pages differ; the
+    scheduler then hits at their common multiple (here 64 tokens)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    connector = scheduler_connector(
+        vllm_config_for(fill_mean=0.5), [BLOCK_SIZE, 2 * BLOCK_SIZE]
+    )
+    request = make_request("r", prompt_len=100)  # 99 tokens to have computed
+    hit = 4 * BLOCK_SIZE
+    matched, _ = connector.get_num_new_matched_tokens(request, hit)
+    small = [KVCacheBlock(b) for b in range(1, 8)]  # 7 blocks of 16 tokens
+    large = [KVCacheBlock(b) for b in range(20, 24)]  # 4 blocks of 32
+    connector.update_state_after_alloc(request, KVCacheBlocks((small, large)), matched)
+    fills = connector.build_connector_meta(None).reqs_to_fill
+    assert fills == {"r": (([5, 6, 7], [22, 23]), matched)}
+
+
+def test_under_context_parallelism_a_hit_is_recorded_as_upstream_does(
+    vllm_config_for, vllm_version, vllm_log
+):
+    """A block holds more tokens than its spec says there, in groups each
+    release picks its own way: the overlay keeps upstream's record and says
+    so once, where it has the prefix-hit part."""
+    import copy
+
+    config = copy.deepcopy(vllm_config_for(fill_mean=0.5))
+    config.cache_config.block_size = BLOCK_SIZE
+    config.parallel_config.decode_context_parallel_size = 2
+
+    def hit_of_one_block():
+        request = make_request("r")
+        connector = scheduler_connector(config, [BLOCK_SIZE])
+        return schedule(connector, request, 1, num_computed_tokens=BLOCK_SIZE)
+
+    ours = hit_of_one_block()
+    with overlay_reverted():
+        upstream = hit_of_one_block()
+    assert ours == upstream
+    warnings = [r for r in vllm_log if "context parallelism" in r.getMessage()]
+    assert len(warnings) == int("prefix-hit" in applied_parts(vllm_version))
 
 
 @behaviour

@@ -3,9 +3,11 @@ blocks after the hit are filled, not the hit.
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
-    ``DecodeBenchConnectorScheduler.update_state_after_alloc`` is wrapped by
-    :func:`record_blocks_after_hit`. Scheduler side only; the worker fills
-    the recorded blocks as it fills any request's (``replacement``).
+    ``DecodeBenchConnector.update_state_after_alloc`` (which hands the call
+    to its scheduler side, ``DecodeBenchConnectorScheduler``) is wrapped by
+    :func:`record_blocks_after_hit`: the connector holds the KV-cache config.
+    Scheduler side only; the worker fills the recorded blocks as it fills
+    any request's (``replacement``).
 
 Why
     The scheduler side tells vLLM that every token but the last, minus what
@@ -25,11 +27,15 @@ How
     computed (all but the last) of which ``n - num_external_tokens`` were
     hit, blocks ``(n - num_external_tokens) // block_size`` up to
     ``cdiv(n, block_size)`` of each group, null blocks (a Mamba group's
-    padding, a sliding window's dropped blocks) left out. The block size is
-    the scheduler's own (``cache_config.block_size``, what upstream used):
-    up to 0.29 every group that can hit the prefix cache has it (a Mamba
-    group's is the attention block size when prefix caching is on). The
-    same arithmetic as upstream 0.30+.
+    padding, a sliding window's dropped blocks) left out, as upstream 0.30+
+    does. The block size is each group's own (its spec's): groups can
+    differ, where vLLM raises a group's block size to give every group one
+    page size (the scheduler then hits at their common multiple); the
+    scheduler's ``cache_config.block_size`` only where the connector has no
+    KV-cache config (0.11.x may build it without). Under decode or prefill
+    context parallelism a block holds more tokens than its spec's size, in
+    the groups each release chooses (all of them, or full attention only):
+    there upstream's record stays, and a warning says so once.
 
 Upstream
     #54878 (0.30.0): the blocks after the hit, null blocks dropped.
@@ -54,37 +60,72 @@ logger = init_logger("vllm.kvfill_patch")
 
 
 def record_blocks_after_hit(
-    wrapped: Any, scheduler: Any, args: tuple, kwargs: dict
+    wrapped: Any, connector: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """Wrapper of ``DecodeBenchConnectorScheduler.update_state_after_alloc``."""
+    """Wrapper of ``DecodeBenchConnector.update_state_after_alloc``."""
     result = wrapped(*args, **kwargs)
     request, blocks, num_external_tokens = _arguments(*args, **kwargs)
+    scheduler = connector.connector_scheduler
     pending = scheduler._pending_fills.get(request.request_id)
     if pending is None or num_external_tokens <= 0:
         return result
+    block_sizes = _group_block_sizes(connector, scheduler, len(blocks.blocks))
+    if block_sizes is None:
+        return result
     block_ids_per_group, recorded_tokens = pending
     num_tokens = request.num_tokens - 1
-    first = (num_tokens - num_external_tokens) // scheduler.block_size
-    end = -(-num_tokens // scheduler.block_size)
+    num_hit_tokens = num_tokens - num_external_tokens
     after_hit = tuple(
-        [block.block_id for block in group[first:end] if not block.is_null]
-        for group in blocks.blocks
+        [
+            block.block_id
+            for block in group[num_hit_tokens // size : -(-num_tokens // size)]
+            if not block.is_null
+        ]
+        for group, size in zip(blocks.blocks, block_sizes, strict=True)
     )
     scheduler._pending_fills[request.request_id] = (after_hit, recorded_tokens)
-    if first:
+    if after_hit != block_ids_per_group:
         logger.debug(
-            "vllm-kvfill-patch: request %s hit %d cached blocks; filling the "
+            "vllm-kvfill-patch: request %s hit %d cached tokens; filling the "
             "blocks after them (%s), not %s",
             request.request_id,
-            first,
+            num_hit_tokens,
             after_hit,
             block_ids_per_group,
         )
     return result
 
 
+def _group_block_sizes(
+    connector: Any, scheduler: Any, num_groups: int
+) -> tuple[int, ...] | None:
+    """The tokens a block holds in each KV-cache group, or None under context
+    parallelism (upstream's record kept, said once)."""
+    parallel = getattr(
+        getattr(connector, "_vllm_config", None), "parallel_config", None
+    )
+    ranks = getattr(parallel, "decode_context_parallel_size", 1) * getattr(
+        parallel, "prefill_context_parallel_size", 1
+    )
+    if ranks > 1:
+        logger.warning_once(
+            "vllm-kvfill-patch: with decode/prefill context parallelism (%d "
+            "ranks) a KV block holds more tokens than its block size; after a "
+            "prefix-cache hit the blocks upstream records are filled (the hit "
+            "blocks first), not only the request's own",
+            ranks,
+        )
+        return None
+    kv_cache_config = getattr(connector, "_kv_cache_config", None)
+    if kv_cache_config is None:
+        return (scheduler.block_size,) * num_groups
+    return tuple(
+        group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
+    )
+
+
 WRAPPERS = {
-    "DecodeBenchConnectorScheduler.update_state_after_alloc": record_blocks_after_hit,
+    "DecodeBenchConnector.update_state_after_alloc": record_blocks_after_hit,
 }
 """The attributes this part wraps, by dotted path in the connector module."""
 
