@@ -116,9 +116,9 @@ def apply() -> PatchStatus:
                 _installer.wanted = True
                 module = sys.modules.get(CONNECTOR_MODULE)
                 _forget_replaced_wrappers(module)
-                if _installer.handles:  # still in place: active again
-                    # with the parts revert() could take out put back
-                    _install(module, _installer.applied_parts)
+                if _installer.handles:  # still in place: active again,
+                    if module is not None:  # with what revert() took out
+                        _install(module, _installer.applied_parts)
                     _decide(
                         Decision.APPLIED,
                         _installer.applied_reason,
