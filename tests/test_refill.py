@@ -153,6 +153,7 @@ def test_after_a_prefix_cache_hit_the_blocks_after_it_are_filled(connector, hit_
     assert fills == {"r": ((list(range(1 + hit_blocks, 4)),), matched)}
 
 
+@behaviour
 def test_after_a_hit_each_group_is_filled_by_its_own_block_size(vllm_config_for):
     """vLLM raises a group's block size where the groups' pages differ; the
     scheduler then hits at their common multiple (here 64 tokens)."""
