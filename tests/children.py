@@ -280,23 +280,11 @@ def refill_behaviour() -> str:
     """What the scheduler side answers right now for a preempted request it
     filled before: 'refill' (all 8 tokens but the last are matched) or
     'upstream' (none: vLLM prefills it)."""
-    from types import SimpleNamespace
+    from vllm_kvfill_patch.gating import preempted_after_a_fill
 
-    from vllm.v1.request import RequestStatus
-
-    module = sys.modules[CONNECTOR_MODULE]
-    scheduler = object.__new__(module.DecodeBenchConnectorScheduler)
-    scheduler._filled_requests, scheduler._pending_fills = {"r"}, {}
-    request = SimpleNamespace(
-        request_id="r",
-        num_tokens=8,
-        num_computed_tokens=0,
-        num_preemptions=1,
-        status=RequestStatus.PREEMPTED,
-    )
-    matched, _ = module.DecodeBenchConnectorScheduler.get_num_new_matched_tokens(
-        scheduler, request, 0
-    )
+    scheduler_cls = sys.modules[CONNECTOR_MODULE].DecodeBenchConnectorScheduler
+    scheduler, request = preempted_after_a_fill(scheduler_cls)
+    matched, _ = scheduler_cls.get_num_new_matched_tokens(scheduler, request, 0)
     return {7: "refill", 0: "upstream"}.get(matched, f"{matched} matched")
 
 

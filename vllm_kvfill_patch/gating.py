@@ -265,6 +265,17 @@ def _probe_step_temporaries(module: ModuleType, worker_cls: type) -> bool:
 def _probe_refill(scheduler_cls: type) -> bool:
     """Whether a request the scheduler side filled before is told 0 matched
     tokens when it comes back preempted (so vLLM would prefill it for real)."""
+    scheduler, request = preempted_after_a_fill(scheduler_cls)
+    matched = upstream_function(scheduler_cls, "get_num_new_matched_tokens")
+    num_tokens, _ = matched(scheduler, request, 0)
+    if num_tokens not in (0, 7):
+        raise ValueError(f"expected 0 or 7 matched tokens, got {num_tokens}")
+    return num_tokens == 0
+
+
+def preempted_after_a_fill(scheduler_cls: type) -> tuple[Any, Any]:
+    """A bare scheduler side that filled request "probe" (8 tokens), and that
+    request come back preempted: 7 tokens to match, or 0 without a refill."""
     from vllm.v1.request import RequestStatus
 
     scheduler: Any = object.__new__(scheduler_cls)
@@ -276,11 +287,7 @@ def _probe_refill(scheduler_cls: type) -> bool:
         num_preemptions=1,
         status=RequestStatus.PREEMPTED,
     )
-    matched = upstream_function(scheduler_cls, "get_num_new_matched_tokens")
-    num_tokens, _ = matched(scheduler, request, 0)
-    if num_tokens not in (0, 7):
-        raise ValueError(f"expected 0 or 7 matched tokens, got {num_tokens}")
-    return num_tokens == 0
+    return scheduler, request
 
 
 def _probe_prefix_hit(scheduler_cls: type) -> bool:
