@@ -198,6 +198,35 @@ def test_under_context_parallelism_a_hit_is_recorded_as_upstream_does(
     assert len(warnings) == int("prefix-hit" in applied_parts(vllm_version))
 
 
+def test_blocks_of_more_groups_than_the_config_are_recorded_as_upstream_does(
+    vllm_config_for, vllm_version, vllm_log
+):
+    """Bad input: the overlay cannot tell those groups' block sizes, so it
+    keeps upstream's record (up to 0.29) and says so once; 0.30+ upstream
+    rejects it itself."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    def record():
+        connector = scheduler_connector(vllm_config_for(fill_mean=0.5), [BLOCK_SIZE])
+        request = make_request("r")
+        matched, _ = connector.get_num_new_matched_tokens(request, BLOCK_SIZE)
+        blocks = ([KVCacheBlock(b) for b in range(1, 4)],) * 2
+        connector.update_state_after_alloc(request, KVCacheBlocks(blocks), matched)
+        return connector.build_connector_meta(None).reqs_to_fill
+
+    if "prefix-hit" not in applied_parts(vllm_version):
+        with pytest.raises(ValueError):
+            record()
+        return
+    ours = record()
+    with overlay_reverted():
+        upstream = record()
+    assert ours == upstream
+    warnings = [r for r in vllm_log if "connector's config has 1" in r.getMessage()]
+    assert len(warnings) == 1
+
+
 @behaviour
 def test_null_blocks_are_never_recorded(connector):
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -100,7 +100,8 @@ def _group_block_sizes(
     connector: Any, scheduler: Any, num_groups: int
 ) -> tuple[int, ...] | None:
     """The tokens a block holds in each KV-cache group, or None under context
-    parallelism (upstream's record kept, said once)."""
+    parallelism or groups that do not match the blocks (upstream's record
+    kept, said once)."""
     parallel = getattr(
         getattr(connector, "_vllm_config", None), "parallel_config", None
     )
@@ -119,9 +120,19 @@ def _group_block_sizes(
     kv_cache_config = getattr(connector, "_kv_cache_config", None)
     if kv_cache_config is None:
         return (scheduler.block_size,) * num_groups
-    return tuple(
+    sizes = tuple(
         group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
     )
+    if len(sizes) != num_groups:
+        logger.warning_once(
+            "vllm-kvfill-patch: the scheduler passed blocks of %d KV-cache "
+            "groups, the connector's config has %d; after a prefix-cache hit "
+            "the blocks upstream records are filled",
+            num_groups,
+            len(sizes),
+        )
+        return None
+    return sizes
 
 
 WRAPPERS = {
