@@ -1,6 +1,7 @@
 """Benchmark: the patched fill against upstream's and against the physical limit.
 
     python -m vllm_kvfill_patch.bench [--device cuda] [--repeats N] [--table T]
+        [--requests N ...] [--min-seconds S]
 
 Two tables. "calls": one `_fill_blocks` call per case, upstream's and the
 overlay's. "step": one scheduler step admitting 1 - 1024 requests of a
@@ -14,8 +15,9 @@ on vLLM 0.24 - 0.29 to see both upstream paths: the attention fill (a
 temporary the size of the filled region, then a scatter) and #45080's
 whole-tensor state fill; on 0.11.1 - 0.23 the state case crashes upstream.
 The limit is an in-place fill (or in-place sampling) of a contiguous buffer
-of the same bytes. Times are medians; memory is the peak allocated during
-one call, beyond what was allocated before it.
+of the same bytes. Times are medians, the calls a row compares timed in
+turn, round after round (`measure_in_turn`); memory is the peak allocated
+during one call, beyond what was allocated before it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -39,9 +41,12 @@ from vllm_kvfill_patch.gating import CONNECTOR_MODULE, bare_worker, upstream_fun
 MIB = 1024 * 1024
 
 MIN_MEASURED_SECONDS = 0.05
-"""A call is timed at least `repeats` times and for at least this long: a
+"""A call is timed at least `Timing.repeats` times and for at least this long: a
 call of microseconds is timed thousands of times, so that its median is not
 one scheduler hiccup's."""
+
+ROUND_SECONDS = 0.01
+"""About how long each call runs in a round of `measure_in_turn`."""
 
 ATTENTION_BLOCKS = 4096
 ATTENTION_BLOCK_SHAPE = (2, 16, 8, 128)  # K/V, block_size, heads, head_dim
@@ -57,6 +62,18 @@ class Case:
     std: float
     num_blocks: int
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long each call is timed: at least `repeats` runs and at least
+    `min_seconds` in all."""
+
+    repeats: int
+    min_seconds: float = MIN_MEASURED_SECONDS
+
+    def with_repeats(self, repeats: int) -> Timing:
+        return Timing(repeats, self.min_seconds)
 
 
 @dataclass
@@ -165,21 +182,54 @@ def one_layer_worker(
 
 
 def measure(
-    call: Callable[[], None], device: torch.device, repeats: int, peak: bool = True
+    call: Callable[[], None], device: torch.device, timing: Timing, peak: bool = True
 ) -> Measured:
-    try:
-        call()  # warm-up, and the first error
-    except Exception as exc:  # noqa: BLE001 - upstream may crash; report it
-        return Measured(None, None, f"{type(exc).__name__}: {exc}")
-    times: list[float] = []
-    while len(times) < repeats or sum(times) < MIN_MEASURED_SECONDS:
-        synchronize(device)
+    """`call`'s median time and (with `peak`) its peak memory."""
+    measured = measure_in_turn({"call": call}, device, timing)["call"]
+    if peak and measured.seconds is not None:
+        measured.peak_bytes = peak_allocated(call, device)
+    return measured
+
+
+def measure_in_turn(
+    calls: dict[str, Callable[[], None]], device: torch.device, timing: Timing
+) -> dict[str, Measured]:
+    """Each call's median time, the calls timed in turn, round after round,
+    until each has run as long as `timing` says.
+
+    A table's ratio compares calls measured in the same rounds: a slow spell
+    of a shared machine (a second or two, about half of the runs here) falls
+    on all of them alike, where timed one after the other it fell on one
+    and moved a ratio by 2x between runs. In a round each call runs for
+    about `ROUND_SECONDS` (once, if one run takes longer), so that a call of
+    microseconds does not make one of milliseconds run thousands of times."""
+    results: dict[str, Measured] = {}
+    runs_per_round: dict[str, int] = {}
+    for name, call in calls.items():
         start = time.perf_counter()
-        call()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    peak_bytes = peak_allocated(call, device) if peak else None
-    return Measured(statistics.median(times), peak_bytes)
+        try:
+            call()  # warm-up, and the first error
+            synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - upstream may crash; report it
+            results[name] = Measured(None, None, f"{type(exc).__name__}: {exc}")
+        else:
+            warm_up = time.perf_counter() - start
+            runs_per_round[name] = max(1, int(ROUND_SECONDS / max(warm_up, 1e-9)))
+    times: dict[str, list[float]] = {name: [] for name in runs_per_round}
+    while any(
+        len(taken) < timing.repeats or sum(taken) < timing.min_seconds
+        for taken in times.values()
+    ):
+        for name, runs in runs_per_round.items():
+            for _ in range(runs):
+                synchronize(device)
+                start = time.perf_counter()
+                calls[name]()
+                synchronize(device)
+                times[name].append(time.perf_counter() - start)
+    for name, taken in times.items():
+        results[name] = Measured(statistics.median(taken), None)
+    return {name: results[name] for name in calls}
 
 
 def synchronize(device: torch.device) -> None:
@@ -207,7 +257,7 @@ def peak_allocated(call: Callable[[], None], device: torch.device) -> int:
     return peak
 
 
-def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dict:
+def run_case(case: Case, device: torch.device, timing: Timing, mean: float) -> dict:
     worker_cls, upstream = upstream_method("_fill_blocks")
     from vllm_kvfill_patch.replacement import fill_groups
 
@@ -223,18 +273,16 @@ def run_case(case: Case, device: torch.device, repeats: int, mean: float) -> dic
     cache = case.make_cache(device)
     worker, layout = one_layer_worker(worker_cls, cache, case, mean)
     tokens = 16 * len(case.block_ids)
-    result = {
-        "limit": measure(limit, device, repeats),
-        "upstream": measure(
-            lambda: upstream(worker, 0, case.block_ids, tokens), device, repeats
-        ),
-        "overlay": measure(
-            lambda: fill_groups(worker, layout, {0: case.block_ids}),
-            device,
-            repeats,
-        ),
+    calls = {
+        "limit": limit,
+        "upstream": lambda: upstream(worker, 0, case.block_ids, tokens),
+        "overlay": lambda: fill_groups(worker, layout, {0: case.block_ids}),
     }
-    del cache, limit_buffer
+    result = measure_in_turn(calls, device, timing)
+    for name, measured in result.items():
+        if measured.seconds is not None:
+            measured.peak_bytes = peak_allocated(calls[name], device)
+    del cache, limit_buffer, calls
     return result
 
 
@@ -358,7 +406,11 @@ def step_limit(worker: Any, reqs: dict, mean: float) -> Callable[[], None]:
 
 
 def step_table(
-    device: torch.device, repeats: int, mean: float, series: ModuleType | None
+    device: torch.device,
+    timing: Timing,
+    mean: float,
+    series: ModuleType | None,
+    step_requests: Sequence[int] = STEP_REQUESTS,
 ) -> None:
     series_columns = " | series per step ms | series/limit" if series else ""
     print(
@@ -367,8 +419,8 @@ def step_table(
         f"| upstream/step | per-request overhead us{series_columns} |"
     )
     print("|---" * (10 + (2 if series else 0)) + "|")
-    for requests in STEP_REQUESTS:
-        print(step_row(requests, device, repeats, mean, series), flush=True)
+    for requests in step_requests:
+        print(step_row(requests, device, timing, mean, series), flush=True)
     print(
         f"(upstream not run above {UPSTREAM_MAX_REQUESTS} requests: its step grows "
         "with requests x pool size)"
@@ -378,7 +430,7 @@ def step_table(
 def step_row(
     requests: int,
     device: torch.device,
-    repeats: int,
+    timing: Timing,
     mean: float,
     series: ModuleType | None,
 ) -> str:
@@ -401,11 +453,28 @@ def step_row(
         for block_ids_per_group, _tokens in reqs.values():
             fill_groups(worker, layout, dict(enumerate(block_ids_per_group)))
 
-    limit = measure(step_limit(worker, reqs, mean), device, repeats, peak=False)
-    step = measure(lambda: fill_step(worker, layout, reqs), device, repeats, peak=False)
-    by_request = measure(per_request, device, max(1, repeats // 4), peak=False)
+    calls = {
+        "limit": step_limit(worker, reqs, mean),
+        "step": lambda: fill_step(worker, layout, reqs),
+    }
+    if series is not None:
+        # The patched file's own step, on a worker of its class over the
+        # same caches.
+        series_worker = bare_worker(
+            series.DecodeBenchConnectorWorker,
+            worker.kv_caches,
+            worker.group_to_layers,
+            worker.num_blocks,
+            mean,
+        )
+        series_metadata = series.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
+        calls["series"] = lambda: series_worker.start_fill_kv(series_metadata)
+    in_turn = measure_in_turn(calls, device, timing)
+    limit, step = in_turn["limit"], in_turn["step"]
+    fewer = timing.with_repeats(max(1, timing.repeats // 4))
+    by_request = measure(per_request, device, fewer, peak=False)
     upstream = upstream_step(
-        lambda: upstream_fill_kv(worker, metadata), requests, device, repeats
+        lambda: upstream_fill_kv(worker, metadata), requests, device, timing
     )
     limit_s, step_s, by_request_s = (seconds(m) for m in (limit, step, by_request))
     vs_upstream = "-" if upstream.seconds is None else upstream.seconds / step_s
@@ -422,22 +491,7 @@ def step_row(
         f"{(step_s - limit_s) / requests * 1e6:.1f}",
     ]
     if series is not None:
-        # The patched file's own step, on a worker of its class over the
-        # same caches.
-        series_worker = bare_worker(
-            series.DecodeBenchConnectorWorker,
-            worker.kv_caches,
-            worker.group_to_layers,
-            worker.num_blocks,
-            mean,
-        )
-        series_metadata = series.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
-        patched = measure(
-            lambda: series_worker.start_fill_kv(series_metadata),
-            device,
-            repeats,
-            peak=False,
-        )
+        patched = in_turn["series"]
         cells += [
             f"{seconds(patched) * 1e3:.2f}",
             f"{seconds(patched) / limit_s:.2f}x",
@@ -450,7 +504,12 @@ ALLOCATED_KERNEL_SPLIT = 2
 FlashInfer or FlashMLA split a hybrid model's raised block size)."""
 
 
-def allocated_table(device: torch.device, repeats: int, mean: float) -> None:
+def allocated_table(
+    device: torch.device,
+    timing: Timing,
+    mean: float,
+    step_requests: Sequence[int] = STEP_REQUESTS,
+) -> None:
     """The step on caches vLLM's own allocator builds (0.32+): one backing
     buffer, layer-outer (LBNHC), the attention group kernel-split, Mamba
     layers as int8 pages; limits: a memset of exactly the filled bytes, and
@@ -461,8 +520,8 @@ def allocated_table(device: torch.device, repeats: int, mean: float) -> None:
         "| overlay/index_fill_ | upstream/overlay |"
     )
     print("|---" * 9 + "|")
-    for requests in STEP_REQUESTS:
-        print(allocated_row(requests, device, repeats, mean), flush=True)
+    for requests in step_requests:
+        print(allocated_row(requests, device, timing, mean), flush=True)
 
 
 def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
@@ -512,7 +571,7 @@ def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
 
 
 def allocated_row(
-    requests: int, device: torch.device, repeats: int, mean: float
+    requests: int, device: torch.device, timing: Timing, mean: float
 ) -> str:
     from vllm_kvfill_patch.replacement import fill_step, layout_from
 
@@ -545,13 +604,18 @@ def allocated_row(
         for cache, rows, value in index_fills:
             cache.index_fill_(0, rows, value)
 
-    memset = measure(lambda: memset_buffer.fill_(1), device, repeats, peak=False)
-    indexed = measure(index_fill_per_layer, device, repeats, peak=False)
-    overlay = measure(
-        lambda: fill_step(worker, layout, reqs), device, repeats, peak=False
+    in_turn = measure_in_turn(
+        {
+            "memset": lambda: memset_buffer.fill_(1),
+            "indexed": index_fill_per_layer,
+            "overlay": lambda: fill_step(worker, layout, reqs),
+        },
+        device,
+        timing,
     )
+    memset, indexed, overlay = in_turn.values()
     upstream = upstream_step(
-        lambda: upstream_fill_kv(worker, metadata), requests, device, repeats
+        lambda: upstream_fill_kv(worker, metadata), requests, device, timing
     )
     memset_s, indexed_s, overlay_s = (seconds(m) for m in (memset, indexed, overlay))
     vs_upstream = (
@@ -572,13 +636,14 @@ def allocated_row(
 
 
 def upstream_step(
-    call: Callable[[], None], requests: int, device: torch.device, repeats: int
+    call: Callable[[], None], requests: int, device: torch.device, timing: Timing
 ) -> Measured:
     """Upstream's step: not run above UPSTREAM_MAX_REQUESTS, run once above
     16 requests (one run takes seconds there)."""
     if requests > UPSTREAM_MAX_REQUESTS:
         return Measured(None, None, "not run")
-    return measure(call, device, 1 if requests > 16 else repeats, peak=False)
+    once = timing.with_repeats(1) if requests > 16 else timing
+    return measure(call, device, once, peak=False)
 
 
 def load_module_file(name: str, path: str | None) -> ModuleType | None:
@@ -611,7 +676,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=MIN_MEASURED_SECONDS,
+        help="time each call for at least this long (default %(default)s)",
+    )
     parser.add_argument("--mean", type=float, default=0.015)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        nargs="+",
+        default=STEP_REQUESTS,
+        help="the step tables' request counts (default: 1 16 256 1024)",
+    )
     parser.add_argument(
         "--table",
         choices=("calls", "step", "allocated", "all"),
@@ -625,6 +703,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    timing = Timing(args.repeats, args.min_seconds)
 
     vllm_kvfill_patch.apply()
     _, upstream = upstream_method("_fill_blocks")
@@ -633,7 +712,8 @@ def main(argv: list[str] | None = None) -> None:
         f"vLLM {status.vllm_version}; patch {status.decision.value}; "
         f"upstream = {upstream.__module__}.{upstream.__qualname__}; device {device}; "
         f"torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"median of at least {args.repeats} runs and {MIN_MEASURED_SECONDS} s"
+        f"median of at least {args.repeats} runs and {args.min_seconds} s, "
+        "the calls of a row timed in turn"
     )
     if args.table in ("calls", "all"):
         print(
@@ -643,14 +723,14 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         for case in cases():
             print(
-                format_row(case, run_case(case, device, args.repeats, args.mean)),
+                format_row(case, run_case(case, device, timing, args.mean)),
                 flush=True,
             )
     if args.table in ("step", "all"):
         series = load_module_file("kvfill_series_connector", args.series)
-        step_table(device, args.repeats, args.mean, series)
+        step_table(device, timing, args.mean, series, args.requests)
     if args.table == "allocated" or (args.table == "all" and _has_allocator()):
-        allocated_table(device, args.repeats, args.mean)
+        allocated_table(device, timing, args.mean, args.requests)
 
 
 def _has_allocator() -> bool:
