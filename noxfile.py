@@ -192,7 +192,11 @@ def connector(session: nox.Session, vllm: str) -> None:
     if RELEASES["parse_release"](vllm) >= RELEASES["CURRENT"]:
         tests.append("tests/test_current.py")
     if RELEASES["parse_release"](vllm) >= RELEASES["ALLOCATOR"]:
-        tests += ["tests/test_allocator.py", "tests/test_gpu_check.py"]
+        tests += [
+            "tests/test_allocator.py",
+            "tests/test_gpu_check.py",
+            "tests/test_bench.py",
+        ]
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
     oldest, *_, newest = applied_releases()

@@ -354,6 +354,15 @@ def patched_file_report(path: str) -> dict:
     return connector_report(module)
 
 
+def bench_tables(arguments: list[str]) -> dict:
+    """``python -m vllm_kvfill_patch.bench`` with `arguments` (its tables are
+    the child's stdout); the row names it measured, for the test to match."""
+    from vllm_kvfill_patch import bench
+
+    bench.main(arguments)
+    return {"cases": [case.name for case in bench.cases()]}
+
+
 def package_location() -> dict:
     import vllm_kvfill_patch
 

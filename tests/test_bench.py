@@ -1,0 +1,69 @@
+"""The benchmark runs, here on the CPU, so that its tables cannot rot.
+
+``python -m vllm_kvfill_patch.bench`` is what the README's and
+docs/benchmark.md's measurements come from; nothing else calls it. Its
+times are not checked (a benchmark, not a timed test): its tables are, with
+what they say of memory, which does not vary between runs.
+"""
+
+from __future__ import annotations
+
+from tests import children
+from tests.helpers import run_fresh
+
+REQUESTS = ("1", "16")
+
+
+def tables(stdout: str) -> dict[str, list[list[str]]]:
+    """Each table's rows (cells, stripped), by its first column's heading."""
+    found: dict[str, list[list[str]]] = {}
+    rows: list[list[str]] = []
+    for line in stdout.splitlines():
+        if not line.startswith("|"):
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[0].startswith("---"):
+            continue
+        if cells[0] in ("case", "requests"):
+            rows = found.setdefault(" ".join(cells[:2]), [])
+        else:
+            rows.append(cells)
+    return found
+
+
+def number(cell: str) -> float:
+    """A time, size or ratio cell ("1.25", "0.84x", "1,024") as a number."""
+    return float(cell.removesuffix("x").replace(",", ""))
+
+
+def test_the_benchmark_prints_every_table_whole():
+    arguments = ["--requests", *REQUESTS, "--repeats", "1", "--min-seconds", "0"]
+    report = run_fresh(children.bench_tables, arguments)
+    found = tables(report["stdout"])
+    headings = ["case filled MiB", "requests layer fills", "requests filled MiB"]
+    assert list(found) == headings
+    calls, step, allocated = found.values()
+
+    assert [row[0] for row in calls] == report["cases"]
+    for row in calls:
+        assert all(number(cell) >= 0 for cell in row[1:]), row
+    by_case = {row[0]: row for row in calls}
+    # Memory: a constant fill allocates nothing; a random one at most half
+    # the region, where upstream's temporary is the region's size.
+    for name, row in by_case.items():
+        filled, upstream_peak, overlay_peak = map(number, (row[1], row[7], row[8]))
+        if name.startswith("attention"):
+            assert upstream_peak == filled, row
+        if name.endswith("constant") or name.startswith("state"):
+            assert overlay_peak == 0, row
+        else:
+            assert 0 < overlay_peak <= filled / 2, row
+
+    for rows in (step, allocated):
+        assert [row[0] for row in rows] == list(REQUESTS)
+    for row in step:
+        # Times and ratios; the last, (step - limit) per request, may be < 0.
+        assert all(number(cell) > 0 for cell in row[1:-1]), row
+        number(row[-1])
+    for row in allocated:
+        assert all(number(cell) > 0 for cell in row[1:]), row
