@@ -199,8 +199,8 @@ def measure_in_turn(
 
     A table's ratio compares calls measured in the same rounds: a slow spell
     of a shared machine (a second or two, about half of the runs here) falls
-    on all of them alike, where timed one after the other it fell on one
-    and moved a ratio by 2x between runs. In a round each call runs for
+    on all of them alike, where timed one after the other it could fall on
+    one of them only. In a round each call runs for
     about `ROUND_SECONDS` (once, if one run takes longer), so that a call of
     microseconds does not make one of milliseconds run thousands of times."""
     results: dict[str, Measured] = {}
