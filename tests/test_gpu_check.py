@@ -1,6 +1,6 @@
 """The prepared GPU check runs, here on the CPU, so it cannot rot.
 
-``vllm_kvfill_patch/gpu_check.py`` is the one command a session lent a GPU
+``vllm_kvfill_patch/gpu_check.py`` is the one command a CUDA machine
 runs (see TESTING.md); on the CPU it checks the same bytes and reports that
 the CUDA-only checks were not made.
 """
