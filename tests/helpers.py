@@ -146,7 +146,7 @@ def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedPro
 
 def applied_reason(vllm_version: str) -> str:
     """Why the patch applies to this release, as upstream's code behaves there:
-    every release with the connector (0.11.1 - 0.33) has the kernel row, the
+    every release with the connector (0.11.1 - 0.34) has the kernel row, the
     temporaries and the missing refill; up to 0.29 the prefix-hit blocks."""
     from vllm_kvfill_patch.releases import parse_release
 

@@ -76,31 +76,31 @@ def test_release_tables_locks_and_patches_follow_releases_py():
 
 def test_a_release_added_in_one_place_only_is_named_with_the_fix(monkeypatch):
     # A release in releases.py only: the tables and locks are behind.
-    monkeypatch.setitem(releases.TESTED, "0.34.0", "vllm")
-    monkeypatch.setattr(releases, "PUBLISHED", [*releases.PUBLISHED, "0.34.0"])
+    monkeypatch.setitem(releases.TESTED, "0.35.0", "vllm")
+    monkeypatch.setattr(releases, "PUBLISHED", [*releases.PUBLISHED, "0.35.0"])
     problems = drift(
         RELEASES_PAGE.read_text(), noxfile.patch_releases(), locked_releases()
     )
     assert problems == [
         f"{DIFFER}: {EDIT}",
-        "releases.TESTED has 0.34.0 but locks/connector-0.34.0.txt is missing: "
-        "python3 -m nox -s lock -- connector-0.34.0",
+        "releases.TESTED has 0.35.0 but locks/connector-0.35.0.txt is missing: "
+        "python3 -m nox -s lock -- connector-0.35.0",
     ]
     monkeypatch.undo()
     # A release in the tables only, and a lock and a patch without a release.
     page = RELEASES_PAGE.read_text().replace(
-        "| 0.33.0 |", "| 0.34.0 | inert | tested: connector level |\n| 0.33.0 |"
+        "| 0.33.0 |", "| 0.35.0 | inert | tested: connector level |\n| 0.33.0 |"
     )
-    problems = drift(page, ["0.34.0"], {*locked_releases(), "0.34.0"})
+    problems = drift(page, ["0.35.0"], {*locked_releases(), "0.35.0"})
     assert problems == [
         f"{DIFFER}: {EDIT}",
-        "locks/connector-0.34.0.txt locks a release that releases.TESTED does not "
+        "locks/connector-0.35.0.txt locks a release that releases.TESTED does not "
         "list: add it there or delete the lock",
-        "patches/ targets 0.34.0, which releases.TESTED does not list",
-        "patches/ targets 0.34.0: add the sha256 of its source distribution to "
+        "patches/ targets 0.35.0, which releases.TESTED does not list",
+        "patches/ targets 0.35.0: add the sha256 of its source distribution to "
         "releases.SOURCE_DISTRIBUTIONS",
-        "patches/ targets 0.34.0 but locks/upstream-0.34.0.txt is missing: "
-        "python3 -m nox -s lock -- upstream-0.34.0",
+        "patches/ targets 0.35.0 but locks/upstream-0.35.0.txt is missing: "
+        "python3 -m nox -s lock -- upstream-0.35.0",
     ]
 
 
@@ -118,7 +118,7 @@ def test_the_nox_matrix_is_releases_py():
     assert listed == list(releases.TESTED)
 
 
-NOT_TESTS = {"ci", "docs", "lock", "bench(0.24.0)", "bench(0.33.0)"}
+NOT_TESTS = {"ci", "docs", "lock", *(f"bench({v})" for v in noxfile.BENCH_RELEASES)}
 """nox sessions that test nothing (the benchmark measures, never asserts)."""
 
 
@@ -148,6 +148,7 @@ def test_tested_releases_are_published_and_cover_every_connector_variant():
     # Where upstream's connector file changed (read from the wheels).
     variants = {"0.11.0", "0.11.1", "0.12.0", "0.14.0", "0.16.0", "0.21.0", "0.23.0"}
     variants |= {"0.24.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.33.0"}
+    variants |= {"0.34.0"}
     assert variants <= set(releases.TESTED)
 
 

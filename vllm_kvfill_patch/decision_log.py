@@ -7,7 +7,7 @@ import the connector, and so decide, before that: an in-process
 ``LLM(...)``, or the driver of a Ray executor, whose engine core runs there.
 An INFO line logged then goes nowhere. So the line is held, and logged as
 soon as vLLM configures its logging: ``vllm.logger._configure_vllm_root_logger``
-(every configuration goes through it, 0.11 - 0.33) is wrapped until then and
+(every configuration goes through it, 0.11 - 0.34) is wrapped until then and
 unwrapped once the line is out. The wrapper only logs; a vLLM without that
 function keeps its logging as it is, and the line stays held.
 """

@@ -301,7 +301,7 @@ def _probe_prefix_hit(scheduler_cls: type) -> bool:
     scheduler.block_size = 2  # up to 0.29
     scheduler.kv_cache_groups = [SimpleNamespace(kv_cache_spec=None)]  # 0.30+
     scheduler.group_block_sizes, scheduler._startup_fill_group_ids = (2,), set()
-    scheduler.startup_fill = False
+    scheduler.startup_fill, scheduler._non_transfer_group_ids = False, set()  # 0.34+
     # 7 tokens: 6 to have computed, 2 of them (block 4) hit, 4 matched.
     request = SimpleNamespace(request_id="probe", num_tokens=7)
     blocks = KVCacheBlocks(([KVCacheBlock(block_id) for block_id in (4, 5, 6, 7)],))

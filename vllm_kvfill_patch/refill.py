@@ -35,7 +35,7 @@ Upstream
     carries it for forks.
 
 Versions
-    Every release with the connector (0.11.1 - 0.33 today): the gating
+    Every release with the connector (0.11.1 - 0.34 today): the gating
     probes upstream's own method with a preempted request it has filled
     before (``gating``), and applies this part where the answer is 0.
     ``KVFILL_PATCH_REFILL=0`` leaves this part out (upstream's behaviour).

