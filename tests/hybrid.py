@@ -10,6 +10,7 @@ as ``(num_blocks, 2, block_size, heads, head_dim)`` (or FlashAttention's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import sys
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ GDN_STATES = ((3, 64), (2, 8, 8))
 """Qwen3-Next gated delta net: conv state, recurrent state."""
 KDA_STATES = ((3, 32), (3, 32), (3, 32), (2, 8, 8))
 """Kimi-Linear KDA: q/k/v conv states, recurrent state."""
+PROMPT_LEN = 40
 
 
 def make_vllm_config(model_dir: Path, **extra_config):
@@ -193,3 +195,22 @@ def start_fill(connector, reqs_to_fill: dict) -> None:
     )
     connector.start_load_kv(None)
     connector.clear_connector_metadata()
+
+
+def make_request(request_id: str, prompt_len: int = PROMPT_LEN):
+    """A real waiting ``Request`` of `prompt_len` prompt tokens."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    extra = {}
+    if "eos_token_id" in inspect.signature(Request.__init__).parameters:
+        extra["eos_token_id"] = None  # up to 0.22
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        **extra,
+    )
+    assert request.status == RequestStatus.WAITING
+    return request

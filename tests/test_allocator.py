@@ -20,7 +20,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.hybrid import start_fill
+from tests.hybrid import make_request, start_fill
+from vllm_kvfill_patch.releases import parse_release
 
 MEAN = 0.5
 
@@ -227,16 +228,11 @@ def test_every_layout_vllm_accepts_is_filled_byte_for_byte(base_config, case):
     assert accepted, f"vLLM accepted no layout for {case}"
 
 
-@behaviour
-def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
-    base_config, vllm_log, implementation
-):
-    """Specs without layer views (HiSparse) get the raw backing buffer: it has
-    no block rows, so nothing is written, and one warning says why."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-        DecodeBenchConnector,
-    )
+def attention_and_raw_buffer(resident: str, enable_kv_transfer: bool = True):
+    """Layer "l0.attn" and HiSparse resident layer `resident` (a spec without
+    layer views), each its own group, in vLLM's allocation: (KV-cache config,
+    caches, backing buffer of random bytes). HiSparse plans its resident and
+    hot tiers outside KV transfer (``enable_kv_transfer=False``)."""
     from vllm.v1.kv_cache_interface import (
         HiSparseResidentSpec,
         KVCacheConfig,
@@ -249,6 +245,7 @@ def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
     attention_spec = attention(block_size=16)
     page, num_blocks = attention_spec.page_size_bytes, 16
     size = page * num_blocks
+    resident_spec = HiSparseResidentSpec(block_size=16, page_size=page)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
@@ -256,13 +253,15 @@ def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
                 size=size, layers=["l0.attn"], layer_stride=size, block_stride=page
             ),
             KVCacheTensor(
-                size=size, layers=["l1.resident"], layer_stride=size, block_stride=page
+                size=size, layers=[resident], layer_stride=size, block_stride=page
             ),
         ],
         kv_cache_groups=[
             KVCacheGroupSpec(["l0.attn"], attention_spec),
             KVCacheGroupSpec(
-                ["l1.resident"], HiSparseResidentSpec(block_size=16, page_size=page)
+                [resident],
+                resident_spec,
+                enable_kv_transfer=enable_kv_transfer,
             ),
         ],
     )
@@ -270,9 +269,24 @@ def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
         kv_cache_config, torch.device("cpu"), KVCacheLayout.LBNHC
     )
     buffer = backing_buffer(caches)
-    assert caches["l1.resident"].data_ptr() == buffer.data_ptr()
-    assert caches["l1.resident"].shape == buffer.shape
+    assert caches[resident].data_ptr() == buffer.data_ptr()
+    assert caches[resident].shape == buffer.shape
     buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
+    return kv_cache_config, caches, buffer
+
+
+@behaviour
+def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
+    base_config, vllm_log, implementation
+):
+    """Specs without layer views (HiSparse) get the raw backing buffer: it has
+    no block rows, so nothing is written, and one warning says why."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+
+    kv_cache_config, caches, buffer = attention_and_raw_buffer("l1.resident")
     config = copy.deepcopy(base_config)
     connector = DecodeBenchConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     connector.register_kv_caches(caches)
@@ -284,6 +298,57 @@ def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
         return  # the patch files' own words
     warnings = [r for r in vllm_log if "l1.resident" in r.getMessage()]
     assert len(warnings) == 1 and "raw KV-cache buffer" in warnings[0].getMessage()
+
+
+@behaviour
+def test_a_group_outside_kv_transfer_is_left_alone_from_scheduler_to_worker(
+    base_config, vllm_log, implementation, vllm_version
+):
+    """HiSparse's resident tier as vLLM plans it (outside KV transfer, the raw
+    buffer), through the real connector's two roles: the scheduler side
+    records a request's blocks, the worker fills that step. The attention
+    group's recorded blocks are filled; the raw buffer is untouched. From
+    0.34 upstream's scheduler side, which the overlay keeps, records no blocks
+    for such a group, so no warning; before, the worker leaves them with
+    one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    # Another layer name than the test above: vLLM says a warning once.
+    kv_cache_config, caches, buffer = attention_and_raw_buffer(
+        "l2.resident", enable_kv_transfer=False
+    )
+    config = copy.deepcopy(base_config)
+    scheduler = DecodeBenchConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    request = make_request("r", prompt_len=40)  # 39 tokens to fill: 3 blocks
+    matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    assert matched == 39
+    blocks = tuple([KVCacheBlock(i) for i in ids] for ids in ([2, 5, 9], [3, 4, 6]))
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(blocks), matched)
+    reqs_to_fill = scheduler.build_connector_meta(None).reqs_to_fill
+    ((recorded, _),) = reqs_to_fill.values()
+    newer = parse_release(vllm_version) >= (0, 34, 0)
+    assert recorded == ([2, 5, 9], [] if newer else [3, 4, 6])
+
+    worker = DecodeBenchConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    worker.register_kv_caches(caches)
+    expected = buffer.clone()
+    attention_view = torch.as_strided(
+        expected.view(caches["l0.attn"].dtype),
+        caches["l0.attn"].size(),
+        caches["l0.attn"].stride(),
+        caches["l0.attn"].storage_offset(),
+    )
+    attention_view[[2, 5, 9]] = MEAN
+    start_fill(worker, reqs_to_fill)
+    assert torch.equal(buffer, expected)
+    if implementation == "overlay":
+        warnings = [r for r in vllm_log if "l2.resident" in r.getMessage()]
+        assert len(warnings) == (0 if newer else 1)
 
 
 @behaviour

@@ -8,19 +8,16 @@ test_connector.py); the others compare with upstream's own behaviour.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 import vllm_kvfill_patch
 from tests.helpers import applied_parts, overlay_reverted
-from tests.hybrid import BLOCK_SIZE, kv_cache_tensor
+from tests.hybrid import BLOCK_SIZE, PROMPT_LEN, kv_cache_tensor, make_request
 from vllm_kvfill_patch.releases import parse_release
 
 behaviour = pytest.mark.behaviour
 pytestmark = pytest.mark.usefixtures("implementation")
 NUM_BLOCKS = 64
-PROMPT = 40
 GENERATED = 3
 
 
@@ -67,24 +64,6 @@ def scheduler_connector(config, block_sizes: list[int]):
     )
 
 
-def make_request(request_id: str, prompt_len: int = PROMPT):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
-
-    extra = {}
-    if "eos_token_id" in inspect.signature(Request.__init__).parameters:
-        extra["eos_token_id"] = None  # up to 0.22
-    request = Request(
-        request_id=request_id,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
-        sampling_params=SamplingParams(max_tokens=64),
-        pooling_params=None,
-        **extra,
-    )
-    assert request.status == RequestStatus.WAITING
-    return request
-
-
 def schedule(connector, request, first_block: int, num_computed_tokens: int = 0):
     """One scheduling of `request` as vLLM's scheduler does it: matched
     tokens, allocation of fresh blocks from `first_block` on, then the
@@ -121,13 +100,13 @@ def generate_and_preempt(request, tokens: int = GENERATED) -> None:
 def test_a_resumed_request_is_filled_again_at_its_new_blocks(connector):
     request = make_request("r")
     matched, fills = schedule(connector, request, first_block=1)
-    assert matched == PROMPT - 1 and list(fills) == ["r"]
+    assert matched == PROMPT_LEN - 1 and list(fills) == ["r"]
     generate_and_preempt(request)
     matched, fills = schedule(connector, request, first_block=20)
     # As a new request of the same tokens at the same blocks is filled.
-    twin = make_request("twin", PROMPT + GENERATED)
+    twin = make_request("twin", PROMPT_LEN + GENERATED)
     twin_matched, twin_fills = schedule(connector, twin, first_block=20)
-    assert matched == twin_matched == PROMPT + GENERATED - 1
+    assert matched == twin_matched == PROMPT_LEN + GENERATED - 1
     assert fills == {"r": twin_fills["twin"]}
     assert 20 in fills["r"][0][0] and 1 not in fills["r"][0][0]
 
@@ -138,7 +117,7 @@ def test_a_resumed_request_after_a_prefix_cache_hit_fills_the_rest(connector):
     schedule(connector, request, first_block=1)
     generate_and_preempt(request)
     matched, fills = schedule(connector, request, 20, num_computed_tokens=BLOCK_SIZE)
-    assert matched == PROMPT + GENERATED - 1 - BLOCK_SIZE
+    assert matched == PROMPT_LEN + GENERATED - 1 - BLOCK_SIZE
     # Blocks 20 .. 22 hold its 43 tokens; 20 is the hit.
     assert fills == {"r": (([21, 22],), matched)}
 
@@ -149,7 +128,7 @@ def test_after_a_prefix_cache_hit_the_blocks_after_it_are_filled(connector, hit_
     request = make_request("r")  # 40 tokens: blocks 1 .. 3
     hit_tokens = hit_blocks * BLOCK_SIZE
     matched, fills = schedule(connector, request, 1, num_computed_tokens=hit_tokens)
-    assert matched == PROMPT - 1 - hit_tokens
+    assert matched == PROMPT_LEN - 1 - hit_tokens
     assert fills == {"r": ((list(range(1 + hit_blocks, 4)),), matched)}
 
 
@@ -300,7 +279,7 @@ def test_upstream_prefills_a_resumed_request_and_the_overlay_does_not(connector)
     results = upstream_and_overlay(resume)
     # Upstream: nothing matched, so vLLM would prefill 43 tokens for real.
     assert results["upstream"] == (0, {})
-    assert results["overlay"][0] == PROMPT + GENERATED - 1
+    assert results["overlay"][0] == PROMPT_LEN + GENERATED - 1
 
 
 def test_upstream_up_to_0_29_fills_the_hit_and_the_overlay_does_not(
@@ -311,7 +290,7 @@ def test_upstream_up_to_0_29_fills_the_hit_and_the_overlay_does_not(
         return schedule(connector, request, 1, num_computed_tokens=BLOCK_SIZE)
 
     results = upstream_and_overlay(hit_one_block)
-    matched = PROMPT - 1 - BLOCK_SIZE
+    matched = PROMPT_LEN - 1 - BLOCK_SIZE
     assert results["overlay"] == (matched, {"overlay": (([2, 3],), matched)})
     if parse_release(vllm_version) < (0, 30, 0):
         assert results["upstream"] == (matched, {"upstream": (([1, 2],), matched)})
