@@ -275,12 +275,12 @@ def attention_and_raw_buffer(resident: str, enable_kv_transfer: bool = True):
     return kv_cache_config, caches, buffer
 
 
-@behaviour
-def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
-    base_config, vllm_log, implementation
-):
+def test_a_raw_buffer_layer_is_left_alone_with_one_warning(base_config, vllm_log):
     """Specs without layer views (HiSparse) get the raw backing buffer: it has
-    no block rows, so nothing is written, and one warning says why."""
+    no block rows, so nothing is written, and one warning says why, even where
+    a step asks for its blocks. vLLM plans such groups outside KV transfer,
+    and from 0.34 its scheduler side records no blocks for them: the next
+    test, which the patch series pass too, goes that way."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
         DecodeBenchConnector,
@@ -294,8 +294,6 @@ def test_a_raw_buffer_layer_is_left_alone_with_one_warning(
     start_fill(connector, {"r": (([], [2, 5]), 32)})
     start_fill(connector, {"s": (([], [7]), 16)})
     assert torch.equal(buffer, before)
-    if implementation != "overlay":
-        return  # the patch files' own words
     warnings = [r for r in vllm_log if "l1.resident" in r.getMessage()]
     assert len(warnings) == 1 and "raw KV-cache buffer" in warnings[0].getMessage()
 

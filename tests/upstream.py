@@ -64,15 +64,24 @@ def _config(tree: Path) -> list[dict]:
     return yaml.safe_load((tree / ".pre-commit-config.yaml").read_text())["repos"]
 
 
+FROZEN_REV = re.compile(
+    r"^\s*rev:\s*([0-9a-f]{40})\s*#\s*frozen:\s*(\S+)", re.MULTILINE
+)
+"""A rev that ``pre-commit autoupdate --freeze`` wrote (vLLM 0.34+): the
+commit, and the tag it was, in a comment YAML drops."""
+
+
 def hook_requirements(tree: Path) -> list[str]:
     """The tools of PYTHON_HOOKS, pinned as the tree's pre-commit config pins
-    them (a remote hook's rev is its tool's release)."""
+    them (a remote hook's rev is its tool's release, or the commit of it)."""
+    text = (tree / ".pre-commit-config.yaml").read_text()
+    tags = dict(FROZEN_REV.findall(text))
     requirements = []
     for repo in _config(tree):
         name = repo["repo"].rstrip("/").rpartition("/")[2]
         ids = {hook["id"] for hook in repo["hooks"]} & set(PYTHON_HOOKS)
         if name in REMOTE_HOOK_PACKAGES and ids:
-            version = repo["rev"].removeprefix("v")
+            version = tags.get(repo["rev"], repo["rev"]).removeprefix("v")
             requirements.append(f"{REMOTE_HOOK_PACKAGES[name]}=={version}")
         for hook in repo["hooks"]:
             if hook["id"] in PYTHON_HOOKS:

@@ -31,7 +31,7 @@ How
 
 Upstream
     #25986 (the connector; "only fill once per request"). No release carries
-    a fix; ``patches/v0.33.0/0004`` is the upstream PR, ``patches/v0.23.0``
+    a fix; ``patches/v0.34.0/0004`` is the upstream PR, ``patches/v0.23.0``
     carries it for forks.
 
 Versions

@@ -165,6 +165,7 @@ connector, and upstream's own tests of it."""
 SOURCE_DISTRIBUTIONS = {
     "0.23.0": "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5",
     "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+    "0.34.0": "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
 }
 """vLLM's source distributions (sha256) for the releases patches/ targets:
 they ship upstream's tests and pre-commit config, the gates each series is

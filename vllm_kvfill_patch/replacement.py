@@ -62,7 +62,7 @@ Upstream
     #54647 (per-group map, 0.30.0), #54879 (zero-filled circular buffers),
     #56473 (the fill's cost), #57751 (fill only allocated Mamba blocks).
     The same change as ``git format-patch`` series: ``patches/v<release>/``
-    (``v0.33.0`` is the upstream PRs for the newest release, one commit each).
+    (``v0.34.0`` is the upstream PRs for the newest release, one commit each).
     Upstream's gates on them: ``tests/test_upstream.py``.
 
 Versions
@@ -73,7 +73,7 @@ Versions
 
 Remove when
     Your vLLM's connector fills kernel-split caches and list states by
-    block, once per step, in place (patches/v0.33.0 merged): the probes then
+    block, once per step, in place (patches/v0.34.0 merged): the probes then
     find nothing and the patch stays out by itself (``inert``).
 """
 
