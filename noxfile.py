@@ -609,9 +609,10 @@ def offline_model_cache() -> Path:
 
 def install_startup_module(session: nox.Session, module: Path) -> None:
     """Have every interpreter of the session's venv import `module` at start
-    (a .pth line): vLLM's engine processes are spawned, so a test cannot
-    reach them otherwise."""
+    (a .pth line), with ``tests/on_load.py`` beside it: vLLM's engine
+    processes are spawned, so a test cannot reach them otherwise."""
     site = Path(site_packages(session))
+    shutil.copyfile(ROOT / "tests" / "on_load.py", site / "_kvfill_on_load.py")
     shutil.copyfile(module, site / f"_kvfill_{module.name}")
     (site / f"_kvfill_{module.stem}.pth").write_text(f"import _kvfill_{module.stem}\n")
 

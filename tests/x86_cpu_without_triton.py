@@ -9,15 +9,9 @@ of these sessions build configs, KV caches and connectors and run no model
 and no kernel: the check runs here as if Triton were installed, and only the
 check (``HAS_TRITON`` is true for the length of that call, and the rest of
 vLLM sees its own value).
-The standard library only, and nothing imported before that module is: the
-test process's zygote must start before vLLM and wrapt are imported.
 """
 
-import importlib.abc
-import importlib.machinery
-import sys
-
-MODULE = "vllm.platforms.cpu"
+from _kvfill_on_load import change_on_load
 
 
 def as_if_triton_is_installed(check):
@@ -34,23 +28,10 @@ def as_if_triton_is_installed(check):
     return classmethod(check_and_update_config)
 
 
-class CheckAsIfTritonOnLoad(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_replace(module):
-            exec_module(module)
-            platform = module.CpuPlatform
-            check = platform.__dict__["check_and_update_config"].__func__
-            platform.check_and_update_config = as_if_triton_is_installed(check)
-
-        spec.loader.exec_module = exec_and_replace
-        return spec
+def check_as_if_triton(module):
+    platform = module.CpuPlatform
+    check = platform.__dict__["check_and_update_config"].__func__
+    platform.check_and_update_config = as_if_triton_is_installed(check)
 
 
-sys.meta_path.insert(0, CheckAsIfTritonOnLoad())
+change_on_load("vllm.platforms.cpu", check_as_if_triton)
