@@ -171,18 +171,20 @@ def upstream_value(worker, group_idx: int, layer: str, dtype: torch.dtype):
     return value.view(dtype) if encoding != dtype else value
 
 
+def view_in(buffer: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """`cache`'s view, over `buffer` (a copy of its backing buffer)."""
+    return torch.as_strided(
+        buffer.view(cache.dtype), cache.size(), cache.stride(), cache.storage_offset()
+    )
+
+
 def expected_after(buffer, caches, kv_cache_config, worker, ids_by_group):
     """`buffer` with the requested blocks of each group's layers set."""
     expected = buffer.clone()
     for group_idx, block_ids in enumerate(ids_by_group):
         for layer in kv_cache_config.kv_cache_groups[group_idx].layer_names:
             cache = caches[layer]
-            view = torch.as_strided(
-                expected.view(cache.dtype),
-                cache.size(),
-                cache.stride(),
-                cache.storage_offset(),
-            )
+            view = view_in(expected, cache)
             ratio = cache.shape[0] // kv_cache_config.num_blocks
             value = upstream_value(worker, group_idx, layer, cache.dtype)
             for block_id in block_ids:
@@ -335,13 +337,7 @@ def test_a_group_outside_kv_transfer_is_left_alone_from_scheduler_to_worker(
     worker = DecodeBenchConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     worker.register_kv_caches(caches)
     expected = buffer.clone()
-    attention_view = torch.as_strided(
-        expected.view(caches["l0.attn"].dtype),
-        caches["l0.attn"].size(),
-        caches["l0.attn"].stride(),
-        caches["l0.attn"].storage_offset(),
-    )
-    attention_view[[2, 5, 9]] = MEAN
+    view_in(expected, caches["l0.attn"])[[2, 5, 9]] = MEAN
     start_fill(worker, reqs_to_fill)
     assert torch.equal(buffer, expected)
     if implementation == "overlay":
@@ -403,17 +399,8 @@ def test_a_host_pool_with_more_blocks_is_filled_by_its_own_count(base_config):
     )
     connector.register_kv_caches(caches)
     expected = buffer.clone()
-    expected_views = {
-        name: torch.as_strided(
-            expected.view(cache.dtype),
-            cache.size(),
-            cache.stride(),
-            cache.storage_offset(),
-        )
-        for name, cache in caches.items()
-    }
-    expected_views["l0.attn"][[2, 3]] = MEAN
-    expected_views["l1.host"][[5, 20, 39]] = MEAN
+    view_in(expected, caches["l0.attn"])[[2, 3]] = MEAN
+    view_in(expected, caches["l1.host"])[[5, 20, 39]] = MEAN
     start_fill(connector, {"r": (([2, 3], [5, 20, 39, 40]), 48)})
     assert torch.equal(buffer, expected)
 

@@ -35,6 +35,15 @@ class ReleaseRange:
         return self.first <= release and (self.end is None or release < self.end)
 
 
+_KEPT_FROM_0_31 = (
+    "kernel-split caches get kernel row b; a temporary the size of each "
+    "request's region, and a device sync, per request x layer; list/tuple "
+    "states filled whole; a preempted request is prefilled for real. Kept "
+    "from upstream: per-layer fp8, zero-filled circular buffers, "
+    "startup_fill, get_loaded_kv_cache_group_ids"
+)
+"""What the patch fixes from 0.31 on, and what it keeps of upstream's."""
+
 SUPPORT_POLICY = (
     ReleaseRange(
         (0, 0, 0),
@@ -71,26 +80,13 @@ SUPPORT_POLICY = (
         "states filled whole; fp8 (uint8) caches get the value cast to an "
         "integer; a preempted request is prefilled for real",
     ),
-    ReleaseRange(
-        (0, 31, 0),
-        (0, 34, 0),
-        APPLIED,
-        "kernel-split caches get kernel row b; a temporary the size of each "
-        "request's region, and a device sync, per request x layer; list/tuple "
-        "states filled whole; a preempted request is prefilled for real. Kept "
-        "from upstream: per-layer fp8, zero-filled circular buffers, "
-        "startup_fill, get_loaded_kv_cache_group_ids",
-    ),
+    ReleaseRange((0, 31, 0), (0, 34, 0), APPLIED, _KEPT_FROM_0_31),
     ReleaseRange(
         (0, 34, 0),
         None,
         APPLIED,
-        "kernel-split caches get kernel row b; a temporary the size of each "
-        "request's region, and a device sync, per request x layer; list/tuple "
-        "states filled whole; a preempted request is prefilled for real. Kept "
-        "from upstream: per-layer fp8, zero-filled circular buffers, "
-        "startup_fill, get_loaded_kv_cache_group_ids, no blocks recorded for "
-        "groups outside KV transfer (HiSparse's hot and resident tiers)",
+        f"{_KEPT_FROM_0_31}, no blocks recorded for groups outside KV transfer "
+        "(HiSparse's hot and resident tiers)",
     ),
 )
 """What the patch does, by release range; the connector's structure decides,
