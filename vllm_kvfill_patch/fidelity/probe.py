@@ -1,0 +1,191 @@
+"""Counters the fidelity tool reads out of vLLM's own processes.
+
+The tool puts a ``sitecustomize`` on the ``PYTHONPATH`` of each ``vllm serve``
+it starts, which calls :func:`install` in every process vLLM starts; with
+``KVFILL_FIDELITY_PROBE_DIR`` unset it does nothing. Each process writes its
+counters, cumulative, to ``<dir>/<pid>.json`` twice a second; the tool reads
+them before and after each run of ``vllm bench serve`` and takes the
+difference.
+
+- ``reprefilled_tokens`` (scheduler): tokens computed in prefill chunks of
+  requests vLLM had preempted: what a decode benchmark pays for a preempted
+  request that is not filled again.
+- ``expert_*`` (worker): tokens per routed expert in decode steps (forward
+  passes of at most ``KVFILL_FIDELITY_DECODE_TOKENS`` tokens), from each MoE
+  block's router logits, top-k as the block routes them; imbalance is the
+  busiest expert's tokens over the mean, averaged over layers and steps. It
+  sees eager forward passes only (CUDA graphs replay without Python hooks).
+- ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
+  subnormal elements in the floating-point outputs of every module in decode
+  steps, out of ``checked_outputs``: whether the values the KV cache holds
+  drive the model's arithmetic out of the normal range (slow on CPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+DIR_ENV = "KVFILL_FIDELITY_PROBE_DIR"
+DECODE_TOKENS_ENV = "KVFILL_FIDELITY_DECODE_TOKENS"
+SUBNORMALS_ENV = "KVFILL_FIDELITY_SUBNORMALS"
+FLUSH_SECONDS = 0.5
+
+
+class Counters:
+    """This process's counters; the writer thread saves them as they change."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"{os.getpid()}.json"
+        self.lock = threading.Lock()
+        self.reprefilled_tokens = 0
+        self.expert_imbalance: Any = 0.0  # a sum over forwards, on the device
+        self.expert_forwards = 0
+        self.subnormal_outputs: Any = 0
+        self.checked_outputs = 0
+        self.changed = False
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            imbalance = self.expert_imbalance
+            return {
+                "reprefilled_tokens": self.reprefilled_tokens,
+                "expert_forwards": self.expert_forwards,
+                "expert_imbalance_sum": float(imbalance),
+                "subnormal_outputs": int(self.subnormal_outputs),
+                "checked_outputs": self.checked_outputs,
+            }
+
+    def save_while_running(self) -> None:
+        while True:
+            time.sleep(FLUSH_SECONDS)
+            if not self.changed:
+                continue
+            self.changed = False
+            partial = self.path.with_suffix(".partial")
+            partial.write_text(json.dumps(self.snapshot()))
+            partial.replace(self.path)
+
+
+_counters: Counters | None = None
+
+
+def install() -> None:
+    """Start counting in this process, if the tool asked for it."""
+    global _counters
+    directory = os.environ.get(DIR_ENV)
+    if not directory or _counters is not None:
+        return
+    import wrapt
+
+    _counters = Counters(Path(directory))
+    threading.Thread(target=_counters.save_while_running, daemon=True).start()
+    wrapt.register_post_import_hook(_count_reprefills, "vllm.v1.core.sched.scheduler")
+    wrapt.register_post_import_hook(_find_moe_routers, "torch")
+
+
+def _count_reprefills(module: Any) -> None:
+    def schedule(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
+        output = wrapped(*args, **kwargs)
+        tokens = 0
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = scheduler.requests.get(request_id)
+            if count > 1 and getattr(request, "num_preemptions", 0) > 0:
+                tokens += count
+        if tokens and _counters is not None:
+            with _counters.lock:
+                _counters.reprefilled_tokens += tokens
+                _counters.changed = True
+        return output
+
+    import wrapt
+
+    wrapt.wrap_function_wrapper(module, "Scheduler.schedule", schedule)
+
+
+def _find_moe_routers(torch: Any) -> None:
+    """A global forward hook finds each MoE block (a module with a `gate` and
+    `experts`) at the first forward pass and hooks its router; it goes away
+    once the whole model has run."""
+    decode_tokens = int(os.environ.get(DECODE_TOKENS_ENV, "0")) or None
+    census = os.environ.get(SUBNORMALS_ENV) == "1"
+    seen: set[int] = set()
+
+    def find(module: Any, args: Any, output: Any) -> None:
+        if census:
+            _count_subnormals(torch, output, decode_tokens)
+        gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+        if (
+            id(module) not in seen
+            and isinstance(gate, torch.nn.Module)
+            and isinstance(experts, torch.nn.Module)
+        ):
+            seen.add(id(module))
+            if isinstance(top_k := experts_per_token(experts), int):
+                gate.register_forward_hook(_router_hook(torch, top_k, decode_tokens))
+        if (
+            not census
+            and seen
+            and type(module).__name__.endswith(
+                ("ForCausalLM", "ForConditionalGeneration")
+            )
+        ):
+            handle.remove()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(find)
+
+
+def _count_subnormals(torch: Any, output: Any, decode_tokens: int | None) -> None:
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    for tensor in outputs:
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or not tensor.is_floating_point()
+            or tensor.dim() == 0
+            or tensor.numel() == 0
+            or (decode_tokens is not None and tensor.shape[0] > decode_tokens)
+        ):
+            continue
+        tiny = torch.finfo(tensor.dtype).tiny
+        found = ((tensor != 0) & (tensor.abs() < tiny)).sum()
+        assert _counters is not None
+        with _counters.lock:
+            _counters.subnormal_outputs = _counters.subnormal_outputs + found
+            _counters.checked_outputs += tensor.numel()
+            _counters.changed = True
+
+
+def experts_per_token(experts: Any) -> int | None:
+    """Top-k of a block's experts: FusedMoE's `top_k`, or (vLLM 0.32+'s
+    runner) its MoE config's."""
+    top_k = getattr(experts, "top_k", None)
+    if top_k is None:
+        top_k = getattr(getattr(experts, "moe_config", None), "experts_per_token", None)
+    return top_k
+
+
+def _router_hook(torch: Any, top_k: int, decode_tokens: int | None) -> Any:
+    def count(module: Any, args: Any, output: Any) -> None:
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+            return
+        tokens, experts = logits.shape
+        if tokens == 0 or (decode_tokens is not None and tokens > decode_tokens):
+            return
+        chosen = logits.topk(min(top_k, experts), dim=-1).indices.flatten()
+        per_expert = torch.bincount(chosen, minlength=experts)
+        mean = chosen.numel() / experts
+        assert _counters is not None
+        with _counters.lock:
+            # A tensor on the model's device: no sync in the forward pass.
+            _counters.expert_imbalance = (
+                _counters.expert_imbalance + per_expert.max() / mean
+            )
+            _counters.expert_forwards += 1
+            _counters.changed = True
+
+    return count

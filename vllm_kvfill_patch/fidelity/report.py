@@ -1,0 +1,122 @@
+"""The tool's table and picture, from the runs' figures."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_kvfill_patch.fidelity.modes import IDEAL
+
+
+@dataclass
+class Cell:
+    """One mode at one concurrency: each run's figures, and why it did not run."""
+
+    runs: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    def median(self, key: str) -> float:
+        return statistics.median(run[key] for run in self.runs)
+
+    def spread(self, key: str) -> float:
+        """(max - min) / median over the runs, 0 for one run."""
+        values = [run[key] for run in self.runs]
+        middle = statistics.median(values)
+        return (max(values) - min(values)) / middle if middle else 0.0
+
+    def total(self, key: str) -> float:
+        return sum(run[key] for run in self.runs)
+
+
+COLUMNS = (
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("out tok/s", "output_throughput", "{:.0f}"),
+    ("TTFT p50", "median_ttft_ms", "{:.1f}"),
+    ("TPOT p50", "median_tpot_ms", "{:.1f}"),
+    ("TPOT p99", "p99_tpot_ms", "{:.1f}"),
+    ("ITL p50", "median_itl_ms", "{:.1f}"),
+    ("ITL p99", "p99_itl_ms", "{:.1f}"),
+)
+"""(heading, key of vLLM's result JSON, format): medians over the runs."""
+
+
+def expert_imbalance(cell: Cell) -> str:
+    forwards = cell.total("expert_forwards")
+    if not forwards:
+        return "-"
+    return f"{cell.total('expert_imbalance_sum') / forwards:.2f}"
+
+
+def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
+    if ideal is None or ideal.error or not ideal.runs or not cell.runs:
+        return "-"
+    return f"{cell.median(key) / ideal.median(key) - 1:+.1%}"
+
+
+def table(cells: dict[tuple[str, str, int], Cell]) -> str:
+    """One row per (case, mode, concurrency); figures are medians over runs."""
+    headings = [
+        "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
+        "preempted", "re-prefilled tok", "expert max/mean", "subnormal",
+        "TPOT p50 vs ideal", "ITL p99 vs ideal",
+    ]  # fmt: skip
+    rows = []
+    for (case, mode, concurrency), cell in cells.items():
+        row = [case, mode, str(concurrency)]
+        if cell.error is not None:
+            rows.append([*row, f"did not run: {cell.error}"])
+            continue
+        row += [fmt.format(cell.median(key)) for _, key, fmt in COLUMNS]
+        row.append(f"{cell.spread('median_tpot_ms'):.0%}")
+        row.append(f"{cell.total('preemptions'):.0f}")
+        row.append(f"{cell.total('reprefilled_tokens'):.0f}")
+        row.append(expert_imbalance(cell))
+        checked = cell.total("checked_outputs")
+        row.append(f"{cell.total('subnormal_outputs'):.0f}" if checked else "-")
+        ideal = cells.get((case, IDEAL, concurrency))
+        row.append(against_ideal(cell, ideal, "median_tpot_ms"))
+        row.append(against_ideal(cell, ideal, "p99_itl_ms"))
+        rows.append(row)
+    lines = ["| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def picture(cells: dict[tuple[str, str, int], Cell], path: Path, title: str) -> str:
+    """TPOT p50 and ITL p99 per mode against concurrency, as a PNG at `path`;
+    what was drawn, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no picture: matplotlib is not installed (pip install matplotlib)"
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, (label, key) in zip(
+        axes,
+        (("TPOT p50 (ms)", "median_tpot_ms"), ("ITL p99 (ms)", "p99_itl_ms")),
+        strict=True,
+    ):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for (case, mode, concurrency), cell in cells.items():
+            if cell.runs and cell.error is None:
+                series.setdefault((case, mode), []).append(
+                    (concurrency, cell.median(key))
+                )
+        for (case, mode), points in series.items():
+            points.sort()
+            name = mode if case == "main" else f"{mode} ({case})"
+            concurrencies, values = zip(*points, strict=True)
+            axis.plot(concurrencies, values, marker="o", label=name)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return str(path)

@@ -1,0 +1,195 @@
+"""`vllm serve` and `vllm bench serve` as the tool runs them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_kvfill_patch.fidelity import probe
+
+COUNTS = (
+    "reprefilled_tokens",
+    "expert_forwards",
+    "expert_imbalance_sum",
+    "subnormal_outputs",
+    "checked_outputs",
+)
+"""The probe's counters, summed over a server's processes."""
+SITE = "import vllm_kvfill_patch.fidelity.probe as probe\nprobe.install()\n"
+"""The `sitecustomize` that puts the probe in every process vLLM starts."""
+
+
+def vllm_command() -> str:
+    """The `vllm` console script of this interpreter's environment."""
+    return str(Path(sys.executable).with_name("vllm"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One `vllm serve`, its log and its probe's counters."""
+
+    name: str
+    arguments: list[str]
+    env: dict[str, str]
+    directory: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "serve.log"
+
+    @property
+    def probe_dir(self) -> Path:
+        return self.directory / "probe"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.probe_dir.mkdir(parents=True, exist_ok=True)
+        site = self.directory / "site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(SITE)
+        path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+        env = {
+            **os.environ,
+            **self.env,
+            "PYTHONPATH": path,
+            probe.DIR_ENV: str(self.probe_dir),
+        }
+        command = [
+            vllm_command(), "serve", *self.arguments,
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        with self.log.open("w") as out:
+            # A session of its own: stop() ends vLLM's engine and worker
+            # processes with it, not only the API server.
+            self.process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_until_healthy(self, timeout: float) -> str | None:
+        """None once /health answers; else why not (the log's first error)."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return first_error(self.log.read_text(errors="replace"))
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5):
+                    return None
+            except OSError:
+                time.sleep(1)
+        return f"not up after {timeout:.0f} s"
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(60)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def counters(self) -> dict:
+        """The sum of every process's probe counters and the engine's
+        preemptions (Prometheus), now."""
+        time.sleep(2 * probe.FLUSH_SECONDS)  # the probes' last counts saved
+        total: dict = dict.fromkeys(COUNTS, 0)
+        for path in self.probe_dir.glob("*.json"):
+            counts = json.loads(path.read_text())
+            for key in COUNTS:
+                total[key] += counts[key]
+        total["preemptions"] = self.metric("vllm:num_preemptions_total")
+        return total
+
+    def metric(self, name: str) -> float:
+        """A Prometheus counter, summed over its labels."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as page:
+            text = page.read().decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
+        return sum(float(value) for value in pattern.findall(text))
+
+    def decisions(self) -> list[str]:
+        """The decisions this package's log lines name, one per process."""
+        return re.findall(
+            r"vllm-kvfill-patch (\w+) for vLLM", self.log.read_text(errors="replace")
+        )
+
+
+def first_error(log: str) -> str:
+    """The first line of the error a vLLM process died of."""
+    lines = log.splitlines()
+    for line in reversed(lines):
+        if re.match(r"^\S*(Error|Exception)\b.*:", line.split("] ")[-1].strip()):
+            return line.split("] ")[-1].strip()
+    return lines[-1].strip() if lines else "exited with no output"
+
+
+def bench(
+    server: Server,
+    model: str,
+    tokenizer: str,
+    concurrency: int,
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    result: Path,
+    extra: list[str],
+) -> dict:
+    """One run of vLLM's own `vllm bench serve` against `server` (its code,
+    in this process: a new interpreter would import vLLM again every run);
+    its result JSON, also left at `result`, its output beside it."""
+    from vllm.benchmarks.serve import add_cli_args, main
+
+    arguments = [
+        "--backend", "vllm", "--base-url", server.base_url,
+        "--model", model, "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--request-rate", "inf", "--seed", str(seed), "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(result.parent),
+        "--result-filename", result.name, *extra,
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    log = result.with_suffix(".log")
+    with log.open("w") as out, contextlib.redirect_stdout(out):
+        try:
+            main(parser.parse_args(arguments))
+        except Exception as error:  # a cell of the table says it
+            raise RuntimeError(
+                f"vllm bench serve failed: {type(error).__name__}: {error}"
+            ) from error
+    return json.loads(result.read_text())
