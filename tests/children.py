@@ -355,9 +355,9 @@ def patched_file_report(path: str) -> dict:
 
 
 def bench_tables(arguments: list[str]) -> dict:
-    """``python -m vllm_kvfill_patch.bench`` with `arguments` (its tables are
-    the child's stdout); the row names it measured, for the test to match."""
-    from vllm_kvfill_patch import bench
+    """``python -m tools.bench`` with `arguments` (its tables are the
+    child's stdout); the row names it measured, for the test to match."""
+    from tools import bench
 
     bench.main(arguments)
     return {"cases": [case.name for case in bench.cases()]}

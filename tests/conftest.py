@@ -20,6 +20,7 @@ from tests.helpers import (
     git_apply,
     patches_by_release,
 )
+from tests.tiny_model import write_tiny_model
 
 # Neither vLLM, wrapt nor this package is imported before pytest_configure
 # has forked the zygote (tests/zygote.py).
@@ -76,8 +77,6 @@ def vllm_version() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, vllm_version):
-    from vllm_kvfill_patch.demo import write_tiny_model
-
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next"))
 
 

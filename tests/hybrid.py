@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvfill_patch.demo import DECODE_BENCH_CONNECTOR
+from tests.tiny_model import DECODE_BENCH_CONNECTOR
 
 ATTENTION_LAYER = "model.layers.1.self_attn.attn"
 LINEAR_LAYER = "model.layers.0.linear_attn"

@@ -1,6 +1,6 @@
 """The benchmark runs, here on the CPU, so that its tables cannot rot.
 
-``python -m vllm_kvfill_patch.bench`` is what the README's and
+``python -m tools.bench`` is what the README's and
 docs/benchmark.md's measurements come from; nothing else calls it. Its
 times are not checked (a benchmark, not a timed test): its tables are, with
 what they say of memory, which does not vary between runs.
@@ -66,4 +66,7 @@ def test_the_benchmark_prints_every_table_whole():
         assert all(number(cell) > 0 for cell in row[1:-1]), row
         number(row[-1])
     for row in allocated:
-        assert all(number(cell) > 0 for cell in row[1:]), row
+        # What the step writes; then times and ratios, of which a time under
+        # half a microsecond prints as 0.000.
+        assert number(row[1]) > 0, row
+        assert all(number(cell) >= 0 for cell in row[2:]), row

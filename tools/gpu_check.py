@@ -1,10 +1,10 @@
 """The fill on a GPU, in one command, on a machine with PyTorch and nothing else.
 
-    python vllm_kvfill_patch/gpu_check.py                  # CUDA, full sizes
-    python vllm_kvfill_patch/gpu_check.py --device cpu --quick   # what CI runs
+    python tools/gpu_check.py                  # CUDA, full sizes
+    python tools/gpu_check.py --device cpu --quick   # what CI runs
 
-Run as a script from a checkout: it loads ``fill.py`` (pure torch) from next
-to itself, so neither vLLM nor an installed package is needed. It builds
+Run as a script from a checkout: it loads the package's ``fill.py`` (pure
+torch) from its file, so neither vLLM nor an installed package is needed. It builds
 caches the way vLLM 0.33's allocator lays them out (one int8 backing buffer;
 per layer a ``[B, H, N, C]`` view, layer-outer, pages dense; attention split
 into kernel blocks; Mamba layers as int8 pages), fills a scheduler step the
@@ -55,8 +55,8 @@ QUICK_REQUESTS = (1, 16)
 
 
 def load_fill() -> ModuleType:
-    """``fill.py`` from next to this file, without importing the package."""
-    path = Path(__file__).with_name("fill.py")
+    """The package's ``fill.py``, from the checkout, without importing the package."""
+    path = Path(__file__).parents[1] / "vllm_kvfill_patch" / "fill.py"
     spec = importlib.util.spec_from_file_location("kvfill_fill", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
