@@ -168,6 +168,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")  # the package, as pyproject.toml's [tool.mypy] says
+    session.run("python", "tools/check_links.py")
 
 
 @nox.session
