@@ -27,7 +27,7 @@ from pathlib import Path
 from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode
 from vllm_kvfill_patch.fidelity.report import Cell, picture, table
-from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench
+from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench, first_error
 
 EMBEDDED_SERVE_ARGUMENTS = [
     "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
@@ -164,27 +164,36 @@ class Run:
         )
 
     def start(self, servers: dict[str, Server], case: str) -> dict[str, Server]:
-        """The servers that came up; a cell per concurrency says why for the rest."""
+        """The servers that came up and served a first request; a cell per
+        concurrency says why for the rest."""
         for server in servers.values():
             server.start()
         running = {}
         for name, server in servers.items():
             error = server.wait_until_healthy(self.args.start_timeout)
             if error is None:
+                error = self.warm_up(server)
+            if error is None:
                 self.say(f"{case}: {name} serving on port {server.port}")
-                self.warm_up(server)
                 running[name] = server
             else:
-                self.say(f"{case}: {name} did not start: {error}")
+                self.say(f"{case}: {name} did not run: {error}")
                 server.stop()
                 for concurrency in self.concurrencies[case]:
                     self.cells[(case, name, concurrency)] = Cell(error=error)
         return running
 
-    def warm_up(self, server: Server) -> None:
+    def warm_up(self, server: Server) -> str | None:
+        """None once two requests were served; else why not."""
         result = server.directory / "warm-up.json"
-        bench(server, self.model, self.tokenizer, 1, 2, self.args.input_len, 4, 0,
-              result, [])  # fmt: skip
+        try:
+            figures = bench(server, self.model, self.tokenizer, 1, 2,
+                            self.args.input_len, 4, 0, result, [])  # fmt: skip
+        except RuntimeError as error:
+            return str(error)
+        if figures["completed"] < figures["num_prompts"]:
+            return first_error(server.log.read_text(errors="replace"))
+        return None
 
     def measure(
         self, case: str, mode: Mode, server: Server, concurrency: int, round_: int
@@ -197,21 +206,32 @@ class Run:
         name = f"{case}-{mode.name}-c{concurrency}-r{round_}.json"
         result = self.output / "results" / name
         result.parent.mkdir(parents=True, exist_ok=True)
-        before = server.counters()
         try:
+            before = server.counters()
             figures = bench(
                 server, self.model, self.tokenizer, concurrency,
                 self.args.prompts_per_concurrency * concurrency,
                 self.args.input_len, self.args.output_len, round_ + 1, result,
                 shlex.split(self.args.bench_args),
             )  # fmt: skip
-        except RuntimeError as error:
-            cell.error = str(error)
-            self.say(f"{case}: {mode.name} C={concurrency}: {error}")
+            after = server.counters()
+        except (RuntimeError, OSError) as error:
+            # vllm bench serve failed, or the server is gone: the log says why.
+            log = server.log.read_text(errors="replace")
+            cell.error = f"{error}; the server's log: {first_error(log)}"
+            self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
             return
-        after = server.counters()
         for key in (*COUNTS, "preemptions"):
             figures[key] = after[key] - before[key]
+        if figures["completed"] < figures["num_prompts"]:
+            # vllm bench serve counts a request a dead engine dropped as failed.
+            log = server.log.read_text(errors="replace")
+            cell.error = (
+                f"{figures['failed']} of {figures['num_prompts']} requests failed: "
+                f"{first_error(log)}"
+            )
+            self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
+            return
         cell.runs.append(figures)
         self.say(
             f"{case}: {mode.name} C={concurrency} round {round_ + 1}: "
@@ -277,8 +297,9 @@ class Run:
         text = table(self.cells)
         print(text)
         (self.output / "table.md").write_text(text + "\n")
+        model = self.args.model or "the embedded tiny hybrid MoE"
         title = (
-            f"{Path(self.model).name}: input {self.args.input_len}, output "
+            f"{model}: input {self.args.input_len}, output "
             f"{self.args.output_len}; medians of {self.args.rounds} rounds"
         )
         drawn = picture(self.cells, self.output / "decode.png", title)

@@ -65,7 +65,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     for (case, mode, concurrency), cell in cells.items():
         row = [case, mode, str(concurrency)]
         if cell.error is not None:
-            rows.append([*row, f"did not run: {cell.error}"])
+            rows.append([*row, "did not run: " + cell.error.replace("|", "\\|")])
             continue
         row += [fmt.format(cell.median(key)) for _, key, fmt in COLUMNS]
         row.append(f"{cell.spread('median_tpot_ms'):.0%}")
@@ -111,6 +111,8 @@ def picture(cells: dict[tuple[str, str, int], Cell], path: Path, title: str) -> 
             concurrencies, values = zip(*points, strict=True)
             axis.plot(concurrencies, values, marker="o", label=name)
         axis.set_xscale("log", base=2)
+        ticks = sorted({n for (_, _, n) in cells})
+        axis.set_xticks(ticks, [str(n) for n in ticks])
         axis.set_xlabel("concurrency")
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)

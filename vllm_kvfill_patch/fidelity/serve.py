@@ -145,12 +145,19 @@ class Server:
         )
 
 
+EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)\w*: .*)$")
+
+
 def first_error(log: str) -> str:
-    """The first line of the error a vLLM process died of."""
-    lines = log.splitlines()
-    for line in reversed(lines):
-        if re.match(r"^\S*(Error|Exception)\b.*:", line.split("] ")[-1].strip()):
-            return line.split("] ")[-1].strip()
+    """The first exception a vLLM process logged (its root cause, as vLLM's
+    worker logs it before the engine core and the API server report it)."""
+    for line in log.splitlines():
+        if " WARNING " in line or " INFO " in line:
+            continue
+        found = EXCEPTION_LINE.match(line.rsplit("] ", 1)[-1].strip())
+        if found:
+            return found[1]
+    lines = log.strip().splitlines()
     return lines[-1].strip() if lines else "exited with no output"
 
 
