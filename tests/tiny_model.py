@@ -6,42 +6,36 @@ engine is built."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+
+def _fidelity_model() -> ModuleType:
+    """The fidelity tool's embedded model, from its file: importing it as a
+    submodule would import the package."""
+    path = Path(__file__).parents[1] / "vllm_kvfill_patch" / "fidelity" / "model.py"
+    spec = importlib.util.spec_from_file_location("kvfill_fidelity_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 TINY_QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "hidden_size": 128,
-    "intermediate_size": 256,
+    **_fidelity_model().TINY_HYBRID_MOE,
     "num_hidden_layers": 2,
     "layer_types": ["linear_attention", "full_attention"],
     "full_attention_interval": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 2,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_conv_kernel_dim": 4,
     "num_experts": 2,
     "num_experts_per_tok": 1,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "decoder_sparse_step": 1,
-    "norm_topk_prob": True,
     "vocab_size": 512,
     "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
 }
-"""Hidden 128, two layers; head_dim 64 because CPU attention rejects 16."""
+"""The fidelity tool's model cut to two layers (one of each kind) and two
+experts, one per token."""
 
 DECODE_BENCH_CONNECTOR = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
 
