@@ -147,24 +147,18 @@ def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedPro
 def applied_reason(vllm_version: str) -> str:
     """Why the patch applies to this release, as upstream's code behaves there:
     every release with the connector (0.11.1 - 0.34) has the kernel row, the
-    temporaries and the missing refill; up to 0.29 the prefix-hit blocks."""
+    temporaries and the missing refill; up to 0.29 the prefix-hit blocks. The
+    defects' words are the status reason's own (``gating.DEFECTS``); which of
+    them each release has is this test's."""
+    from vllm_kvfill_patch.gating import DEFECTS
     from vllm_kvfill_patch.releases import parse_release
 
-    if parse_release(vllm_version) < (0, 24, 0):
-        states = "_fill_blocks crashes on list/tuple (Mamba) caches"
-    else:
-        states = "_fill_blocks fills list/tuple state tensors whole"
-    reason = (
-        f"{states}; a kernel-split attention cache gets kernel row b, not "
-        "block b; each request's fill builds a temporary the size of its region; "
-        "a preempted request is not filled again (vLLM prefills it)"
-    )
-    if parse_release(vllm_version) < (0, 30, 0):
-        reason += (
-            "; after a prefix-cache hit the cached blocks are filled, not the "
-            "request's own"
-        )
-    return reason
+    release = parse_release(vllm_version)
+    found = ["crashes" if release < (0, 24, 0) else "whole_states"]
+    found += ["kernel_row", "temporaries", "no_refill"]
+    if release < (0, 30, 0):
+        found.append("hit_blocks")
+    return "; ".join(DEFECTS[defect] for defect in found)
 
 
 def applied_parts(vllm_version: str) -> list[str]:
