@@ -10,6 +10,7 @@ import ast
 import os
 import subprocess
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -17,8 +18,17 @@ from tests import children
 from tests.helpers import applied_reason, patches_by_release, run_fresh, status_command
 
 
+def installed_distribution() -> metadata.Distribution:
+    """The distribution in site-packages: pytest puts the checkout on sys.path,
+    where an editable build left its egg-info, which importlib.metadata would
+    find first."""
+    site = sysconfig.get_paths()["purelib"]
+    (found,) = metadata.distributions(name="vllm-kvfill-patch", path=[site])
+    return found
+
+
 def test_the_installed_package_is_the_wheel_not_the_checkout():
-    distribution = metadata.distribution("vllm-kvfill-patch")
+    distribution = installed_distribution()
     assert distribution.read_text("direct_url.json") is None or (
         '"editable": true' not in distribution.read_text("direct_url.json")
     )
@@ -37,7 +47,7 @@ FIDELITY_TOOL |= {"report", "serve"}
 
 
 def test_the_wheel_holds_the_hot_fix_its_status_command_and_the_fidelity_tool():
-    distribution = metadata.distribution("vllm-kvfill-patch")
+    distribution = installed_distribution()
     modules = {
         str(f.with_suffix("")).removeprefix("vllm_kvfill_patch/")
         for f in distribution.files
@@ -61,7 +71,7 @@ def test_importing_the_package_imports_none_of_its_tools():
 
 
 def test_the_wheel_carries_its_license_and_version():
-    distribution = metadata.distribution("vllm-kvfill-patch")
+    distribution = installed_distribution()
     licenses = [f for f in distribution.files if f.name == "LICENSE"]
     assert len(licenses) == 1
     assert "Apache License" in licenses[0].read_text()
