@@ -1,9 +1,11 @@
 """Decide whether the installed vLLM's DecodeBenchConnector needs the patch.
 
-The decision comes from the connector's structure and behaviour; the release
-policy (``releases.SUPPORT_POLICY``) is the cross-check. Where the two
-disagree, or the structure is not one this package knows, the patch refuses
-rather than guess.
+The decision comes from the connector's structure and behaviour alone: a
+structure this package does not know is refused rather than guessed at. The
+release policy (``releases.SUPPORT_POLICY``) only explains an ``inert``
+verdict on a release expected to need the patch (a patched or fixed
+connector); it cannot overrule the probes, whose findings every published
+release agrees with.
 """
 
 from __future__ import annotations
@@ -53,21 +55,15 @@ def judge(module: ModuleType, vllm_version: str | None) -> Verdict:
     """What to do with the loaded connector module of vLLM `vllm_version`."""
     structural = _judge_structure(module)
     policy = policy_for(vllm_version) if vllm_version else None
-    if structural.decision is Decision.REFUSED or policy is None:
-        return structural
-    if structural.decision is Decision.INERT and policy.decision == APPLIED:
-        # Staying out is always safe: a patched or fixed connector.
+    if (
+        structural.decision is Decision.INERT
+        and policy is not None
+        and policy.decision == APPLIED
+    ):
         return Verdict(
             Decision.INERT,
             f"{structural.reason}, although vLLM {vllm_version} is expected to "
             "need the patch (a patched or fixed connector)",
-        )
-    if structural.decision is not Decision(policy.decision):
-        return Verdict(
-            Decision.REFUSED,
-            f"the connector's structure says {structural.decision.value} "
-            f"({structural.reason}), but vLLM {vllm_version} is expected to be "
-            f"{policy.decision} ({policy.why})",
         )
     return structural
 

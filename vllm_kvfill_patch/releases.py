@@ -2,11 +2,11 @@
 each is tested here. The one place to edit when vLLM publishes a release.
 
 Plain data and the standard library only: ``noxfile.py`` loads this file by
-path (outside any test environment), ``gating`` imports it. docs/releases.md's
-release tables are generated from it (``python3 -m nox -s docs``), and
-``tests/test_policy.py`` fails, naming what to run, when docs/releases.md, the lock
-files in ``locks/`` or ``patches/`` disagree with it. CONTRIBUTING.md has the
-checklist for adding a release.
+path (outside any test environment), ``gating`` imports ``policy_for``.
+docs/releases.md's release tables are generated from it (``python3 -m nox -s
+docs``), and ``tests/test_policy.py`` fails, naming what to run, when
+docs/releases.md, the lock files in ``locks/`` or ``patches/`` disagree with
+it. CONTRIBUTING.md has the checklist for adding a release.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ SUPPORT_POLICY = (
         "(HiSparse's hot and resident tiers)",
     ),
 )
-"""What the patch does, by release range; the connector's structure decides,
-this is the cross-check (``gating.judge``)."""
+"""What the patch does, by release range: the docs' tables and the test
+matrix. At run time the connector's structure decides; this only explains an
+inert verdict on an applied range (``gating.judge``)."""
 
 PUBLISHED = (
     "0.11.0 0.11.1 0.11.2 0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 "
