@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -126,12 +125,6 @@ def check_a_prefix_hit_fills_only_after_it(report: dict) -> None:
     hit = len(first) - len(second)
     assert hit > 0 and second
     assert not set(second) & set(first[:hit])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_command(model: Path, *arguments: str) -> list[str]:

@@ -15,7 +15,6 @@ from tests.engine.helpers import (
     check_every_step_filled_exactly_its_blocks,
     check_processes,
     check_worker_fills,
-    free_port,
     run_probe,
     running,
     send_all,
@@ -23,6 +22,7 @@ from tests.engine.helpers import (
     wait_until_healthy,
 )
 from tests.engine.trace import Trace, topology_env
+from vllm_kvfill_patch.fidelity.serve import free_port
 
 LIST_CRASH = "'list' object has no attribute 'device'"
 RELEASE_0_24_PATH = "KVFILL_VLLM_0_24_PATH"

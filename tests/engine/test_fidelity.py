@@ -7,12 +7,14 @@ figures are the tool's to print."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from vllm_kvfill_patch.fidelity.modes import MODES
+from vllm_kvfill_patch.fidelity.serve import SITE
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
 PREEMPTING_BLOCKS = 24
@@ -84,3 +86,19 @@ def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
     picture = run["output"] / "decode.png"
     assert f"picture: {picture}" in run["stdout"]
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):
+    # vLLM's processes get the tool's sitecustomize first on PYTHONPATH; an
+    # environment's own (a later path entry) must still run there.
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    (ours / "sitecustomize.py").write_text(SITE)
+    marker = tmp_path / "ran"
+    (theirs / "sitecustomize.py").write_text(
+        f"open({str(marker)!r}, 'w').write(__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ours), str(theirs)])}
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+    assert marker.read_text() == "sitecustomize"

@@ -21,7 +21,6 @@ from tests.engine.helpers import (
     admissions,
     check_processes,
     check_worker_fills,
-    free_port,
     run_probe,
     running,
     send_all,
@@ -29,6 +28,7 @@ from tests.engine.helpers import (
     wait_until_healthy,
 )
 from tests.engine.trace import Trace, decisions, topology_env
+from vllm_kvfill_patch.fidelity.serve import free_port
 
 PREEMPTION = {"num_gpu_blocks": 12, "requests": 12, "prompt": 120, "output": 40}
 """Requests over three ranks whose KV caches (64-token blocks, the attention's

@@ -23,8 +23,11 @@ difference.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -86,6 +89,17 @@ def install() -> None:
     threading.Thread(target=_counters.save_while_running, daemon=True).start()
     wrapt.register_post_import_hook(_count_reprefills, "vllm.v1.core.sched.scheduler")
     wrapt.register_post_import_hook(_find_moe_routers, "torch")
+
+
+def run_hidden_sitecustomize(ours: str) -> None:
+    """Run the `sitecustomize` that the tool's own (the file `ours`) hides
+    by coming first on the path, if there is one: the environment's own
+    start-up code still runs in vLLM's processes."""
+    here = os.path.dirname(os.path.abspath(ours))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def _count_reprefills(module: Any) -> None:

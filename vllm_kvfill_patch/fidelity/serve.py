@@ -26,8 +26,13 @@ COUNTS = (
     "checked_outputs",
 )
 """The probe's counters, summed over a server's processes."""
-SITE = "import vllm_kvfill_patch.fidelity.probe as probe\nprobe.install()\n"
-"""The `sitecustomize` that puts the probe in every process vLLM starts."""
+SITE = (
+    "import vllm_kvfill_patch.fidelity.probe as probe\n"
+    "probe.install()\n"
+    "probe.run_hidden_sitecustomize(__file__)\n"
+)
+"""The `sitecustomize` that puts the probe in every process vLLM starts, and
+then runs the one it hides."""
 
 
 def vllm_command() -> str:
