@@ -3,7 +3,7 @@
 Every environment is installed from a lock file in ``locks/`` (exact versions,
 committed), with uv: the matrix that is green today stays green until someone
 changes a lock on purpose (``python3 -m nox -s lock``). The releases, and how
-each is tested, come from ``vllm_kvfill_patch/releases.py``.
+each is tested, come from ``tools/matrix.py``.
 
 Environments live outside the checkout (``$KVFILL_CACHE``, default
 ``~/.cache/vllm-kvfill-patch``), so later runs and CI on the same machine
@@ -31,14 +31,15 @@ import nox
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent
-RELEASES = runpy.run_path(str(ROOT / "vllm_kvfill_patch" / "releases.py"))
-TESTED: dict[str, str] = RELEASES["TESTED"]
-SOURCE_DISTRIBUTIONS: dict[str, str] = RELEASES["SOURCE_DISTRIBUTIONS"]
-ENGINES: dict[str, tuple[str, ...]] = RELEASES["ENGINES"]
-ENGINE_EXTRAS: dict[str, list[str]] = RELEASES["ENGINE_EXTRAS"]
+MATRIX = runpy.run_path(str(ROOT / "tools" / "matrix.py"))
+POLICY = MATRIX["POLICY"]
+TESTED: dict[str, str] = MATRIX["TESTED"]
+SOURCE_DISTRIBUTIONS: dict[str, str] = MATRIX["SOURCE_DISTRIBUTIONS"]
+ENGINES: dict[str, tuple[str, ...]] = MATRIX["ENGINES"]
+ENGINE_EXTRAS: dict[str, list[str]] = MATRIX["ENGINE_EXTRAS"]
 LOCKS = ROOT / "locks"
-CONNECTOR_FILE: str = RELEASES["CONNECTOR_FILE"]
-UPSTREAM_TEST_FILE: str = RELEASES["UPSTREAM_TEST_FILE"]
+CONNECTOR_FILE: str = MATRIX["CONNECTOR_FILE"]
+UPSTREAM_TEST_FILE: str = MATRIX["UPSTREAM_TEST_FILE"]
 CACHE = Path(
     os.environ.get("KVFILL_CACHE", Path.home() / ".cache" / "vllm-kvfill-patch")
 )
@@ -46,13 +47,13 @@ CACHE = Path(
 
 def applied_releases() -> list[str]:
     """The tested releases the overlay applies to, oldest first."""
-    return [v for v in TESTED if RELEASES["policy_for"](v).decision == "applied"]
+    return [v for v in TESTED if POLICY["policy_for"](v).decision == "applied"]
 
 
 def patch_releases() -> list[str]:
     """The releases that have a patch series in patches/, oldest first."""
-    found = RELEASES["patches_by_release"](ROOT / "patches")
-    return sorted(found, key=RELEASES["parse_release"])
+    found = MATRIX["patches_by_release"](ROOT / "patches")
+    return sorted(found, key=POLICY["parse_release"])
 
 
 TORCH_CPU = "torch==2.13.0+cpu"
@@ -176,7 +177,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def policy(session: nox.Session) -> None:
-    """releases.py, docs/releases.md's tables, locks/ and patches/ agree (no vLLM)."""
+    """tools/matrix.py, docs/releases.md's tables, locks/, patches/ agree (no vLLM)."""
     sync(session, "policy")
     install_checkout(session)
     session.run("pytest", "tests/test_policy.py", *session.posargs)
@@ -184,12 +185,12 @@ def policy(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Rewrite docs/releases.md's tables from releases.py."""
+    """Rewrite docs/releases.md's tables from tools/matrix.py and the policy."""
     marker = re.compile(
         r"(<!-- releases:begin -->\n).*?(\n<!-- releases:end -->)", re.DOTALL
     )
     page = ROOT / "docs" / "releases.md"
-    tables = RELEASES["release_tables"](patch_releases())
+    tables = MATRIX["release_tables"](patch_releases())
     page.write_text(marker.sub(rf"\g<1>{tables}\g<2>", page.read_text()))
     session.log("docs/releases.md: release tables regenerated")
 
@@ -199,11 +200,11 @@ def docs(session: nox.Session) -> None:
 def connector(session: nox.Session, vllm: str) -> None:
     """The connector-level suite on one release's real DecodeBenchConnector."""
     install_release(session, vllm)
-    policy = RELEASES["policy_for"](vllm)
+    policy = POLICY["policy_for"](vllm)
     tests = list(SUITES[policy.decision])
-    if RELEASES["parse_release"](vllm) >= RELEASES["CURRENT"]:
+    if POLICY["parse_release"](vllm) >= MATRIX["CURRENT"]:
         tests.append("tests/test_current.py")
-    if RELEASES["parse_release"](vllm) >= RELEASES["ALLOCATOR"]:
+    if POLICY["parse_release"](vllm) >= MATRIX["ALLOCATOR"]:
         tests.append("tests/test_allocator.py")
     if vllm == BENCH_RELEASES[-1]:  # their code is the same on every release
         tests += ["tests/test_gpu_check.py", "tests/test_bench.py"]
@@ -512,7 +513,7 @@ def source_tree(session: nox.Session, version: str) -> Path:
 
 def source_distribution(session: nox.Session, version: str) -> Path:
     """vLLM `version`'s sdist, downloaded once and checked against its sha256
-    in releases.SOURCE_DISTRIBUTIONS.
+    in tools/matrix.py's SOURCE_DISTRIBUTIONS.
 
     `pip download` of a vLLM sdist fails building its metadata (torch,
     cmake); its address, from the index pip is configured with, is read
@@ -554,7 +555,7 @@ def series_connector(session: nox.Session, version: str) -> Path:
     shutil.rmtree(tree, ignore_errors=True)
     (tree / connector).parent.mkdir(parents=True)
     shutil.copy(Path(site_packages(session), connector), tree / connector)
-    for patch in RELEASES["patches_by_release"](ROOT / "patches")[version]:
+    for patch in MATRIX["patches_by_release"](ROOT / "patches")[version]:
         session.run(
             "git", "-C", str(tree), "apply", f"--include={connector.as_posix()}",
             str(patch), external=True,

@@ -22,8 +22,8 @@ TESTS = ROOT / "tests"
 CONNECTOR_PATH = Path(*CONNECTOR_MODULE.split(".")).with_suffix(".py")
 UPSTREAM_TEST_PATH = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
 """Upstream's own tests of the connector, in vLLM's source tree (the
-package is not imported here before the zygote starts: releases.py's copy
-is checked against these by tests/test_policy.py)."""
+package is not imported here before the zygote starts: tools/matrix.py's
+copy is checked against these by tests/test_policy.py)."""
 BUILD_COMMAND = "python3 -m nox  (see TESTING.md)"
 
 
@@ -122,7 +122,7 @@ def status_command(cwd: Path | None = None) -> str:
 
 
 def patches_by_release() -> dict[str, list[Path]]:
-    from vllm_kvfill_patch.releases import patches_by_release as by_release
+    from tools.matrix import patches_by_release as by_release
 
     return by_release(ROOT / "patches")
 
@@ -145,30 +145,21 @@ def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedPro
 
 
 def applied_reason(vllm_version: str) -> str:
-    """Why the patch applies to this release, as upstream's code behaves there:
-    every release with the connector (0.11.1 - 0.34) has the kernel row, the
-    temporaries and the missing refill; up to 0.29 the prefix-hit blocks. The
-    defects' words are the status reason's own (``gating.DEFECTS``); which of
-    them each release has is this test's."""
-    from vllm_kvfill_patch.gating import DEFECTS
-    from vllm_kvfill_patch.releases import parse_release
+    """The status reason the release policy expects on this release: the
+    defects the probes of upstream's own methods must find there."""
+    from vllm_kvfill_patch.releases import DEFECTS, policy_for
 
-    release = parse_release(vllm_version)
-    found = ["crashes" if release < (0, 24, 0) else "whole_states"]
-    found += ["kernel_row", "temporaries", "no_refill"]
-    if release < (0, 30, 0):
-        found.append("hit_blocks")
-    return "; ".join(DEFECTS[defect] for defect in found)
+    return "; ".join(DEFECTS[defect] for defect in policy_for(vllm_version).defects)
 
 
 def applied_parts(vllm_version: str) -> list[str]:
-    """The parts of the patch this release needs (``PatchStatus.parts``)."""
-    from vllm_kvfill_patch.releases import parse_release
+    """The parts of the patch the policy's defects call for (``PatchStatus.parts``)."""
+    from vllm_kvfill_patch.releases import policy_for
 
-    parts = ["fill", "refill"]
-    if parse_release(vllm_version) < (0, 30, 0):
-        parts.append("prefix-hit")
-    return parts
+    defects = set(policy_for(vllm_version).defects)
+    parts = {"fill": bool(defects - {"no_refill", "hit_blocks"})}
+    parts |= {"refill": "no_refill" in defects, "prefix-hit": "hit_blocks" in defects}
+    return [part for part, needed in parts.items() if needed]
 
 
 def decision_lines(report: dict, decision: str) -> int:

@@ -20,7 +20,8 @@ from tests.helpers import (
     run_forked,
     run_fresh,
 )
-from vllm_kvfill_patch.releases import ALLOCATOR, parse_release
+from tools.matrix import ALLOCATOR
+from vllm_kvfill_patch.releases import parse_release
 
 
 def test_each_patch_is_a_signed_off_format_patch_of_the_connector_and_its_tests(

@@ -1,3 +1,4 @@
 """The project's own development tools, run from a checkout (not in the
-wheel): the fill's step benchmark (``python -m tools.bench``) and the
-prepared GPU check (``python tools/gpu_check.py``)."""
+wheel): the test matrix and release tables (``tools.matrix``), the fill's step
+benchmark (``python -m tools.bench``), the prepared GPU check (``python
+tools/gpu_check.py``) and the lint's relative-link check."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from vllm_kvfill_patch.releases import APPLIED, policy_for
+from vllm_kvfill_patch.releases import APPLIED, DEFECTS, policy_for
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
 FILL_SIGNATURE = ("self", "group_idx", "block_ids", "num_tokens")
@@ -157,18 +157,6 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
     if prefix_hit:
         defects.append(DEFECTS["hit_blocks"])
     return Verdict(Decision.APPLIED, "; ".join(defects), parts)
-
-
-DEFECTS = {
-    "crashes": "_fill_blocks crashes on list/tuple (Mamba) caches",
-    "whole_states": "_fill_blocks fills list/tuple state tensors whole",
-    "kernel_row": "a kernel-split attention cache gets kernel row b, not block b",
-    "temporaries": "each request's fill builds a temporary the size of its region",
-    "no_refill": "a preempted request is not filled again (vLLM prefills it)",
-    "hit_blocks": "after a prefix-cache hit the cached blocks are filled, not the "
-    "request's own",
-}
-"""What a probe can find wrong, as the status reason says it."""
 
 
 def bare_worker(

