@@ -121,7 +121,7 @@ def test_each_layer_gets_its_own_groups_rows_and_nothing_else(
 def test_the_fill_uses_the_real_groups_and_leaves_upstreams_map_alone(
     vllm_config_for,
 ):
-    from vllm_kvfill_patch.replacement import current_layout
+    from vllm_kvfill_patch.worker_step import current_layout
 
     with overlay_reverted():
         upstream_map = make_worker_connector(
@@ -281,11 +281,11 @@ def test_a_step_fills_exactly_the_union_of_its_requests_blocks(vllm_config_for, 
 @pytest.fixture
 def tensor_fills(monkeypatch):
     """Counts the overlay's fill calls: one per tensor, list of states or group view."""
-    from vllm_kvfill_patch import replacement
+    from vllm_kvfill_patch import worker_step
 
     calls = []
-    targets = [(replacement, "fill_cache_blocks_"), (replacement, "fill_state_blocks_")]
-    for owner, name in [*targets, (replacement.PagesFill, "write_")]:
+    targets = [(worker_step, "fill_cache_blocks_"), (worker_step, "fill_state_blocks_")]
+    for owner, name in [*targets, (worker_step.PagesFill, "write_")]:
         original = getattr(owner, name)
 
         def counted(*args, _original=original, **kwargs):
@@ -504,7 +504,7 @@ def test_plain_fp8_is_written_in_the_platforms_own_format(
 
 
 def test_fp8_kinds_other_than_plain_fp8_get_no_encoding():
-    from vllm_kvfill_patch.replacement import fp8_encoding
+    from vllm_kvfill_patch.worker_step import fp8_encoding
 
     # Packed with their scales, or out of tree: zeros, as 0.31+ decides.
     for packed in ("fp8_ds_mla", "fp8_per_token_head", "fp8_inc"):

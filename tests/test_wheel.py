@@ -40,8 +40,8 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
     assert packaged == {p.name for s in patches_by_release().values() for p in s}
 
 
-HOT_FIX = {"__init__", "decision_log", "fill", "gating", "prefix_hit", "refill"}
-HOT_FIX |= {"releases", "replacement"}
+HOT_FIX = {"__init__", "decision_log", "fill", "gating", "preemption", "prefix_hit"}
+HOT_FIX |= {"releases", "worker_step"}
 FIDELITY_TOOL = {"__init__", "__main__", "ideal", "model", "modes", "probe"}
 FIDELITY_TOOL |= {"report", "serve"}
 

@@ -173,7 +173,7 @@ def upstream_method(name: str) -> tuple[type, Callable]:
 def one_layer_worker(
     worker_cls: type, cache: torch.Tensor, case: Case, mean: float
 ) -> tuple[Any, Any]:
-    from vllm_kvfill_patch.replacement import layout_from
+    from vllm_kvfill_patch.worker_step import layout_from
 
     worker = bare_worker(
         worker_cls, {"layer": cache}, {0: ["layer"]}, case.num_blocks, mean, case.std
@@ -259,7 +259,7 @@ def peak_allocated(call: Callable[[], None], device: torch.device) -> int:
 
 def run_case(case: Case, device: torch.device, timing: Timing, mean: float) -> dict:
     worker_cls, upstream = upstream_method("_fill_blocks")
-    from vllm_kvfill_patch.replacement import fill_groups
+    from vllm_kvfill_patch.worker_step import fill_groups
 
     limit_buffer = torch.empty(case.filled_bytes, dtype=torch.uint8, device=device)
     limit_view = limit_buffer.view(case.dtype)
@@ -342,7 +342,7 @@ def step_worker(
 ) -> tuple[Any, Any, dict]:
     """A worker holding the step's 48 layers over shared pools, and the step's
     metadata ``{req_id: (block_ids_per_group, num_tokens)}``."""
-    from vllm_kvfill_patch.replacement import layout_from
+    from vllm_kvfill_patch.worker_step import layout_from
 
     num_blocks = step_blocks(requests)
     page_floats = STEP_PAGE_BYTES // 4
@@ -434,7 +434,7 @@ def step_row(
     mean: float,
     series: ModuleType | None,
 ) -> str:
-    from vllm_kvfill_patch.replacement import fill_groups, fill_step
+    from vllm_kvfill_patch.worker_step import fill_groups, fill_step
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
@@ -573,7 +573,7 @@ def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
 def allocated_row(
     requests: int, device: torch.device, timing: Timing, mean: float
 ) -> str:
-    from vllm_kvfill_patch.replacement import fill_step, layout_from
+    from vllm_kvfill_patch.worker_step import fill_step, layout_from
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")

@@ -4,12 +4,12 @@ Importing this package registers a wrapt post-import hook on vLLM's
 DecodeBenchConnector module; it imports neither vLLM nor the connector. When
 the connector module is (or already was) imported, the hook decides from the
 module's structure whether the patch is needed (``gating``) and installs it
-(``replacement``, where the patch is documented). vLLM's
+(``worker_step``, where the patch is documented). vLLM's
 ``vllm.general_plugins`` entry point calls :func:`load_vllm_plugin` in every
 vLLM process, so spawned engine-core and worker processes are patched too.
 
 Set ``KVFILL_PATCH_DISABLE=1`` to leave vLLM untouched, ``KVFILL_PATCH_REFILL=0``
-to leave out the refill of preempted requests (``refill``) alone.
+to leave out the refill of preempted requests (``preemption``) alone.
 
 Promises, whatever other patches sit on the same methods: :func:`apply`,
 :func:`revert`, :func:`status`, the plugin entry and the import hook never
@@ -73,7 +73,7 @@ class PatchStatus:
     reason: str
     parts: tuple[str, ...] = ()
     """The parts of the patch active in this process: "fill" (worker side,
-    ``replacement``), "refill" and "prefix-hit" (scheduler side, ``refill``,
+    ``worker_step``), "refill" and "prefix-hit" (scheduler side, ``preemption``,
     ``prefix_hit``)."""
 
 
@@ -216,11 +216,11 @@ def _on_connector_import(module: ModuleType) -> None:
 
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
     # Imported here: they import vLLM's logger, and vLLM is loaded by now.
-    from vllm_kvfill_patch import prefix_hit, refill, replacement
+    from vllm_kvfill_patch import preemption, prefix_hit, worker_step
 
     wrappers: dict[str, dict[str, Any]] = {
-        FILL: replacement.WRAPPERS,
-        REFILL: refill.WRAPPERS,
+        FILL: worker_step.WRAPPERS,
+        REFILL: preemption.WRAPPERS,
         PREFIX_HIT: prefix_hit.WRAPPERS,
     }
     for part in parts:

@@ -41,10 +41,10 @@ INDEXED_MIN_RUNS = 2
 (`index_fill_` / `index_copy_`) fills them, not a loop of slice fills: on a
 GPU whatever the rows (the index copy and one fill, never more than the
 loop's kernels; a group's pages from one run on, see `PageWords`); on the
-CPU for a group's pages as 16-byte words, worked out once (a 0.33 step of
-one request, whose attention group has 2 runs of 12 x 4 KiB pages and
-whose Mamba groups 3 single blocks: 49 us, against 63 - 73 us with the
-attention group looped; two threads)."""
+CPU for a group's pages as 16-byte words, whose index is worked out once
+per step and shared by the layers. This crossover and the ones below are
+the step benchmark's (``python -m tools.bench``, docs/benchmark.md), which
+prints each way against a memset of the same bytes."""
 
 CPU_INDEXED_MIN_RUNS = 8
 """On the CPU, for a single tensor (its words worked out at each call) or
@@ -52,12 +52,10 @@ narrower elements than words, one indexed kernel beats a loop of slice
 fills from this many runs on, for small rows..."""
 
 CPU_LOOP_MIN_ROW_BYTES = 32 * 1024
-"""...but a loop of slice fills is faster for rows this large (measured:
-256 blocks of 64 KiB, 0.7 ms looped against 1.0 ms indexed; a 0.33 group's
-561 runs of 12 x 4 KiB pages, 12 ms looped against 19 ms indexed), unless
-the rows are written as 16-byte words (`WORD_BYTES`): then 9.8 ms indexed
-against 10.6 looped there, and 0.6 against 1.4 ms for a Mamba group's 230
-runs of single blocks (one thread; with two, 5.8 against 11 ms)."""
+"""...but a loop of slice fills is faster for rows this large: each slice
+fill is then a memset of a long run, while an indexed kernel pays per
+element; unless the rows are written as 16-byte words (`WORD_BYTES`), whose
+per-element cost covers 16 bytes."""
 
 WORD_BYTES = 16
 """The widest element an indexed kernel writes (complex128): constant fills
@@ -188,7 +186,7 @@ def _row_index(block_ids: list[int], ratio: int, device: torch.device) -> torch.
 
 
 def _host_index(block_ids: list[int]) -> torch.Tensor:
-    # Through an int64 array: 4x faster than torch.tensor(list).
+    # Through an int64 array: torch.tensor(list) converts element by element.
     ids = array.array("q", block_ids)
     if ids:
         return torch.frombuffer(ids, dtype=torch.long)
@@ -196,7 +194,7 @@ def _host_index(block_ids: list[int]) -> torch.Tensor:
 
 
 def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device == _CPU:  # compared first: `device.type` builds a string (0.6 us)
+    if device == _CPU:  # compared first: `device.type` builds a string per call
         return index
     if device.type == "cuda":
         # From pinned memory, non-blocking: a pageable host-to-device copy
@@ -405,7 +403,7 @@ class PagesFill:
         see `sort_block_ids`): as words by one indexed kernel from
         `PageWords.min_runs` runs on, else as a single tensor. Without the
         `BlockSet` the layer-by-layer fills share: a pages fill is one write,
-        and a set's bookkeeping cost ~2.5 us of it. Returns the ids outside
+        and a set's bookkeeping would be a large part of it. Returns the ids outside
         the pages' pool, not written."""
         ids, outside = sort_block_ids(block_ids, self.pages.shape[0])
         if not ids:
@@ -434,8 +432,8 @@ class PageWords:
     PyTorch's source: 8 kernels at 18 GB, 12 at 74 GB; as rows one, and one
     more per 2^31 words written, 32 GiB). From one run of blocks on, too: a
     slice of the pages spans the layers as well. The layers' rows cost the
-    CPU a broadcast add per step (about 5 us), which it does not need: its
-    kernels take 64-bit offsets.
+    CPU a broadcast add per step, which it does not need: its kernels take
+    64-bit offsets.
     """
 
     view: torch.Tensor
@@ -514,12 +512,11 @@ def _as_wide_words(
     device cannot write such a word exactly.
 
     An indexed kernel costs per element: on 16-byte elements it writes
-    scattered pages near memset speed (1,250 scattered blocks of 12 x 4
-    KiB: 1.8x a memset of the bytes, against 4.9x for a loop of slice fills
-    and 3.4x for ``index_fill_`` on int64 words; two threads). It walks the
-    dims in the view's order: in memory order it writes ascending addresses
-    (a group's pages, layer-major in layer-outer layouts: about 12% faster
-    on the CPU than block-major).
+    scattered pages closest to a memset of the bytes, of the ways it can
+    (a loop of slice fills, ``index_fill_`` on int64 words; the step
+    benchmark prints each). It walks the dims in the view's order: in
+    memory order it writes ascending addresses (a group's pages, layer-major
+    in layer-outer layouts), which the CPU's prefetchers follow.
     """
     if rows.dim() < 2:
         return None  # rows of one element would merge into words

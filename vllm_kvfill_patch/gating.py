@@ -24,9 +24,9 @@ STEP_SIGNATURE = ("self", "metadata")
 MATCHED_SIGNATURE = ("self", "request", "num_computed_tokens")
 
 FILL = "fill"
-"""The worker-side part: fill by block, once per step (``replacement``)."""
+"""The worker-side part: fill by block, once per step (``worker_step``)."""
 REFILL = "refill"
-"""The scheduler-side part: fill a preempted request again (``refill``)."""
+"""The scheduler-side part: fill a preempted request again (``preemption``)."""
 PREFIX_HIT = "prefix-hit"
 """The scheduler-side part: fill the blocks after a prefix-cache hit
 (``prefix_hit``)."""

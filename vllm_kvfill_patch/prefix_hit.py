@@ -7,7 +7,7 @@ Target
     to its scheduler side, ``DecodeBenchConnectorScheduler``) is wrapped by
     :func:`record_blocks_after_hit`: the connector holds the KV-cache config.
     Scheduler side only; the worker fills the recorded blocks as it fills
-    any request's (``replacement``).
+    any request's (``worker_step``).
 
 Why
     The scheduler side tells vLLM that every token but the last, minus what
@@ -19,7 +19,7 @@ Why
     --random-prefix-len`` makes hits the norm) that is the cached prefix,
     shared with other requests, which is overwritten, while the request's
     own last blocks are never filled. The refill after preemption
-    (``refill``) goes the same way.
+    (``preemption``) goes the same way.
 
 How
     After upstream's method has recorded the request, its block ids are

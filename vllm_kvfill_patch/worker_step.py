@@ -1,4 +1,5 @@
-"""The patch, documented once here.
+"""The fill part (worker side): the connector's step and its cache layout,
+documented once here.
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
@@ -15,22 +16,22 @@ Why
     DecodeBenchConnector fills the KV cache with dummy values so decode can be
     benchmarked without prefill. On hybrid / linear-attention models (Mamba,
     Qwen3-Next GDN, Kimi-Linear KDA) a layer's cache is a list/tuple of state
-    tensors, and ``_fill_blocks`` crashes with ``'list' object has no attribute
-    'device'`` (0.11.1 - 0.23.x). Upstream #45080 (0.24.0) stops the crash by
-    filling each state tensor whole, but state tensors are block-indexed views
-    over memory pools shared with other layers: the whole-tensor fill
-    overwrites every other request's state and attention pages and writes a
-    whole pool per Mamba layer per request (still so in 0.33, for the
-    platforms that register list states). Up to 0.29 every layer is mapped to
-    group 0, so Mamba layers are filled at the attention group's block ids,
-    and FlashAttention's ``(2, num_blocks, ...)`` cache (<= 0.22) is indexed
-    on dim 0. In every release, kernel-split attention caches (the model
-    runner's ``num_blocks * r`` kernel blocks, common on hybrid models) get
-    kernel row ``b``, a piece of another block. And every release fills
-    request x group x layer, each time with a temporary the size of the
-    filled region and a scatter (0.30+: also a boolean-mask device sync): at
-    hundreds of requests per scheduler step the fill is most of the step
-    (#56473, #57847).
+    tensors, and ``_fill_blocks`` crashes with ``'list' object has no
+    attribute 'device'`` (0.11.1 - 0.23.x). Upstream #45080 (0.24.0) stops the
+    crash by filling each state tensor whole, but state tensors are
+    block-indexed views over memory pools shared with other layers: the
+    whole-tensor fill overwrites every other request's state and attention
+    pages and writes a whole pool per Mamba layer per request (through 0.34.x,
+    for the platforms that register list states: ``releases.SUPPORT_POLICY``).
+    Up to 0.29 every layer is mapped to group 0, so Mamba layers are filled at
+    the attention group's block ids, and FlashAttention's ``(2, num_blocks,
+    ...)`` cache (<= 0.22) is indexed on dim 0. In every release, kernel-split
+    attention caches (the model runner's ``num_blocks * r`` kernel blocks,
+    common on hybrid models) get kernel row ``b``, a piece of another block.
+    And every release fills request x group x layer, each time with a
+    temporary the size of the filled region and a scatter (0.30+: also a
+    boolean-mask device sync): at hundreds of requests per scheduler step the
+    fill is most of the step (#56473, #57847).
 
 How
     Each layer of the group being filled gets exactly the rows of that
@@ -201,8 +202,8 @@ def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:
     block_ids_by_group: dict[int, list[int]] = {}
     for block_ids_per_group, _num_tokens in requests.values():
         for group_idx, block_ids in enumerate(block_ids_per_group):
-            # Not setdefault(group_idx, []): a new list per request and group
-            # (0.1 ms of a 256-request step).
+            # Not setdefault(group_idx, []): it builds a new list per request
+            # and group, at hundreds of requests a step.
             gathered = block_ids_by_group.get(group_idx)
             if gathered is None:
                 block_ids_by_group[group_idx] = list(block_ids)

@@ -1,10 +1,11 @@
-"""The second patch, documented once here: a preempted request is filled again.
+"""The refill part (scheduler side), documented once here: a preempted
+request is filled again.
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
     ``DecodeBenchConnectorScheduler.get_num_new_matched_tokens`` is wrapped by
     :func:`refill_after_preemption`. Scheduler side only; the worker fills
-    the blocks as it fills any request's (``replacement``).
+    the blocks as it fills any request's (``worker_step``).
 
 Why
     The scheduler side fills a request once: ``get_num_new_matched_tokens``
