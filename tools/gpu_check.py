@@ -3,13 +3,17 @@
     python tools/gpu_check.py                  # CUDA, full sizes
     python tools/gpu_check.py --device cpu --quick   # what CI runs
 
-Run as a script from a checkout: it loads the package's ``fill.py`` (pure
-torch) from its file, so neither vLLM nor an installed package is needed. It builds
-caches the way vLLM 0.33's allocator lays them out (one int8 backing buffer;
-per layer a ``[B, H, N, C]`` view, layer-outer, pages dense; attention split
-into kernel blocks; Mamba layers as int8 pages), fills a scheduler step the
-way the overlay does (per group: the layers' pages as one view, one write;
-groups over the same pages written together), and checks:
+Run as a script from a checkout: it loads the package's worker step
+(``worker_step``, with ``fill``) from the checkout without the package's
+``__init__``, so neither an installed package nor vLLM is needed (without
+vLLM, Python's logging stands in for vLLM's logger). It builds caches the way
+vLLM 0.33's allocator lays them out (one int8 backing buffer; per layer a
+``[B, H, N, C]`` view, layer-outer, pages dense; attention split into kernel
+blocks; Mamba layers as int8 pages), registers them with a worker that holds
+what upstream's worker holds (``kv_caches``, ``fill_mean``, ``fill_std``),
+and fills with the functions the patched worker runs (``fill_step``,
+``fill_groups``: per group the layers' pages as one view, one write;
+consecutive groups over the same pages written together), and checks:
 
 - bytes: every case (bf16 kernel-split, float8 dtype, fp8 stored as uint8,
   int8 pages, compressed states), scattered blocks and one run of them,
@@ -33,12 +37,14 @@ memory; the timings and kernel counts are printed, for the README's table.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import logging
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -49,23 +55,80 @@ LAYERS_PER_GROUP, GROUPS = 12, 4
 """One attention group and three linear-attention groups of 12 layers."""
 ATTENTION_BLOCKS, STATE_BLOCKS = 8, 1
 """Per request: 8 attention blocks; one state block per linear group."""
+PROMPT_TOKENS = 8 * 16
+"""Each request's tokens to fill (the step reads only its block ids)."""
 KERNEL_SPLIT = 2
 REQUESTS = (1, 16, 256, 1024)
 QUICK_REQUESTS = (1, 16)
 
 
-def load_fill() -> ModuleType:
-    """The package's ``fill.py``, from the checkout, without importing the package."""
-    path = Path(__file__).parents[1] / "vllm_kvfill_patch" / "fill.py"
-    spec = importlib.util.spec_from_file_location("kvfill_fill", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module
-    spec.loader.exec_module(module)
+def load_worker_step() -> ModuleType:
+    """The package's ``worker_step`` from the checkout. The package's
+    ``__init__`` is not run: it reads the installed distribution's metadata
+    and registers import hooks, neither of which the fill needs."""
+    package = ModuleType("vllm_kvfill_patch")
+    package.__path__ = [str(Path(__file__).parents[1] / "vllm_kvfill_patch")]
+    sys.modules["vllm_kvfill_patch"] = package
+    try:
+        import vllm.logger  # noqa: F401
+    except ImportError:
+        sys.modules["vllm"] = ModuleType("vllm")
+        sys.modules["vllm.logger"] = logging_without_vllm()
+    return importlib.import_module("vllm_kvfill_patch.worker_step")
+
+
+def logging_without_vllm() -> ModuleType:
+    """``vllm.logger`` where vLLM is not installed: Python's loggers, with the
+    ``warning_once`` that vLLM's add."""
+    module = ModuleType("vllm.logger")
+    said: set[tuple] = set()
+
+    def init_logger(name: str) -> Any:
+        logger: Any = logging.getLogger(name)
+
+        def warning_once(message: str, *args: object) -> None:
+            if (message, args) not in said:
+                said.add((message, args))
+                logger.warning(message, *args)
+
+        logger.warning_once = warning_once
+        return logger
+
+    module.init_logger = init_logger  # type: ignore[attr-defined]
     return module
 
 
-fill = load_fill()
+worker_step = load_worker_step()
+fill = importlib.import_module("vllm_kvfill_patch.fill")  # what worker_step runs
+
+
+def registered(
+    caches_by_group: dict[int, list[Any]],
+    num_blocks: int,
+    value: Any,
+) -> tuple[SimpleNamespace, Any]:
+    """A worker holding what upstream's worker holds when the patched step
+    runs (its registered caches, the fill parameters), with the layout the
+    step takes from its registration: `caches_by_group`, each a list of
+    layers, in pools of `num_blocks` blocks, filled with `value`."""
+    kv_caches = {
+        f"group{group}.layer{layer}": cache
+        for group, caches in caches_by_group.items()
+        for layer, cache in enumerate(caches)
+    }
+    worker = SimpleNamespace(
+        kv_caches=kv_caches, fill_mean=value.mean, fill_std=value.std
+    )
+    layout = worker_step.CacheLayout(
+        num_blocks,
+        value.encoding,
+        {
+            group: [n for n in kv_caches if n.startswith(f"group{group}.")]
+            for group in caches_by_group
+        },
+        kv_caches=kv_caches,
+    )
+    return worker, layout
 
 
 def group_caches(
@@ -115,10 +178,11 @@ def fill_case(
     host = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
     buffer = host.to(device)
     caches = group_caches(buffer, num_blocks, page_bytes, dtype, ratio)
-    pages = fill.group_pages(caches, num_blocks, [ratio] * len(caches))
-    assert pages is not None, case
     value = fill.FillValue(mean, 0.0, encoding)
-    fill.fill_group_pages_(pages, fill.BlockSet(block_ids, num_blocks), value)
+    worker, layout = registered({0: caches}, num_blocks, value)
+    worker_step.fill_groups(worker, layout, {0: block_ids})
+    if block_ids:  # the group's layers as one view, as on vLLM 0.33's caches
+        assert layout.pages_fills.by_group[0] is not None, case
     return buffer.cpu()
 
 
@@ -182,36 +246,41 @@ class Step:
             self.num_blocks - 1, generator=torch.Generator().manual_seed(0)
         )
         free = (order + 1).tolist()
-        self.groups = []
-        attention = [free.pop() for _ in range(requests * ATTENTION_BLOCKS)]
-        caches = group_caches(
-            self.buffer, self.num_blocks, page_bytes, torch.bfloat16, KERNEL_SPLIT
-        )
-        self.groups.append((caches, KERNEL_SPLIT, attention, fill.FillValue(0.015)))
-        for _ in range(GROUPS - 1):
-            states = [free.pop() for _ in range(requests * STATE_BLOCKS)]
-            caches = group_caches(
-                self.buffer, self.num_blocks, page_bytes, torch.int8, 1
+        # Per group, its layers and each request's block ids in it.
+        self.caches = [
+            group_caches(
+                self.buffer, self.num_blocks, page_bytes, torch.bfloat16, KERNEL_SPLIT
             )
-            self.groups.append((caches, 1, states, fill.FillValue(0.015)))
+        ]
+        self.caches += [
+            group_caches(self.buffer, self.num_blocks, page_bytes, torch.int8, 1)
+            for _ in range(GROUPS - 1)
+        ]
+        per_group = [ATTENTION_BLOCKS] + [STATE_BLOCKS] * (GROUPS - 1)
+        self.requests = {
+            f"request-{request}": (
+                [[free.pop() for _ in range(count)] for count in per_group],
+                PROMPT_TOKENS,
+            )
+            for request in range(requests)
+        }
+        self.block_ids = [
+            [b for ids, _ in self.requests.values() for b in ids[group]]
+            for group in range(GROUPS)
+        ]
         self.filled_bytes = sum(
-            len(ids) * LAYERS_PER_GROUP * page_bytes for _, _, ids, _ in self.groups
+            len(ids) * LAYERS_PER_GROUP * page_bytes for ids in self.block_ids
         )
-        # Worked out once, as the overlay does at a group's first fill; the
-        # groups whose pages are the same memory, written alike (the three
-        # linear-attention groups), share one write of their blocks' union.
-        self.writes: dict[tuple, tuple] = {}
-        for caches, ratio, block_ids, value in self.groups:
-            pages = fill.group_pages(caches, self.num_blocks, [ratio] * len(caches))
-            assert pages is not None
-            pages_fill = fill.PagesFill.of(pages, value)
-            _, union = self.writes.setdefault(pages_fill.writes, (pages_fill, []))
-            union.extend(block_ids)
+        self.value = fill.FillValue(0.015)
+        self.worker, self.layout = registered(
+            dict(enumerate(self.caches)), self.num_blocks, self.value
+        )
 
     def run(self) -> None:
-        """The overlay's step: each distinct pages view, one write."""
-        for pages_fill, block_ids in self.writes.values():
-            pages_fill.write_(block_ids)
+        """The patched worker's step: how each group is written is worked out
+        at its first fill, as in a worker; the three linear-attention groups,
+        pages of the same memory written alike, in one write."""
+        worker_step.fill_step(self.worker, self.layout, self.requests)
 
     def far_pages_right(self) -> bool:
         """One step over an unwritten buffer, then the pages farthest apart
@@ -223,8 +292,8 @@ class Step:
         layers = self.buffer.view(LAYERS_PER_GROUP, self.num_blocks, self.page_bytes)
         unwritten = torch.full((self.page_bytes,), UNWRITTEN, dtype=torch.int8)
         right = True
-        for caches, _, block_ids, value in self.groups:
-            page = expected_page(caches[0].dtype, value, self.page_bytes)
+        for caches, block_ids in zip(self.caches, self.block_ids, strict=True):
+            page = expected_page(caches[0].dtype, self.value, self.page_bytes)
             for layer in (0, LAYERS_PER_GROUP - 1):
                 for block, expected in (
                     (min(block_ids), page),
@@ -244,9 +313,10 @@ def expected_page(dtype: torch.dtype, value: object, page_bytes: int) -> torch.T
 
 
 def sync_cases(device: torch.device, page_bytes: int) -> dict[str, Callable]:
-    """Calls that must not synchronise with the host: a step whose fills are
-    worked out in it (a group's first fill), and the layer-by-layer fills,
-    random ones included, of caches that are not pages of one buffer."""
+    """Steps that must not synchronise with the host, each registered anew so
+    that how it is written is worked out in it (a group's first fill): a
+    whole step, and layers filled one by one, random fills included (a
+    random fill is never written as pages; list states never are)."""
     num_blocks = 24
     buffer = torch.zeros(
         LAYERS_PER_GROUP * num_blocks * QUICK_PAGE_BYTES,
@@ -257,36 +327,31 @@ def sync_cases(device: torch.device, page_bytes: int) -> dict[str, Callable]:
     def layer(dtype: torch.dtype) -> torch.Tensor:
         return group_caches(buffer, num_blocks, QUICK_PAGE_BYTES, dtype, 1)[0]
 
-    conv = torch.zeros(num_blocks, 3, 2048, device=device)
-    recurrent = torch.zeros(num_blocks, 8, 128, 128, device=device)
-    scattered = fill.BlockSet(BLOCK_ID_CASES["scattered"], num_blocks)
-    one_run = fill.BlockSet(BLOCK_ID_CASES["one run"], num_blocks)
+    def step(cache: Any, value: Any, blocks: str = "scattered") -> Callable:
+        def run() -> None:
+            worker, layout = registered({0: [cache]}, num_blocks, value)
+            worker_step.fill_groups(worker, layout, {0: BLOCK_ID_CASES[blocks]})
+
+        return run
+
+    mamba = [
+        torch.zeros(num_blocks, 3, 2048, device=device),
+        torch.zeros(num_blocks, 8, 128, 128, device=device),
+    ]
     constant, random = fill.FillValue(0.015), fill.FillValue(0.0, 1.0)
     random_fp8 = fill.FillValue(0.0, 1.0, torch.float8_e4m3fn)
     return {
         "a step of 16 requests, its fills worked out in it": (
             lambda: Step(device, 16, page_bytes).run()
         ),
-        "constant, one layer (bf16)": (
-            lambda: fill.fill_cache_blocks_(layer(torch.bfloat16), scattered, constant)
+        "constant, one layer (bf16)": step(layer(torch.bfloat16), constant),
+        "random, one layer (bf16)": step(layer(torch.bfloat16), random),
+        "random, one layer (bf16), one run": step(
+            layer(torch.bfloat16), random, "one run"
         ),
-        "random, one layer (bf16)": (
-            lambda: fill.fill_cache_blocks_(layer(torch.bfloat16), scattered, random)
-        ),
-        "random, one layer (bf16), one run": (
-            lambda: fill.fill_cache_blocks_(layer(torch.bfloat16), one_run, random)
-        ),
-        "random, one layer (fp8 stored as uint8)": (
-            lambda: fill.fill_cache_blocks_(layer(torch.uint8), scattered, random_fp8)
-        ),
-        "random, one layer (float8 dtype)": (
-            lambda: fill.fill_cache_blocks_(
-                layer(torch.float8_e4m3fn), scattered, random
-            )
-        ),
-        "random, Mamba states (fp32)": (
-            lambda: fill.fill_state_blocks_([conv, recurrent], scattered, random)
-        ),
+        "random, one layer (fp8 stored as uint8)": step(layer(torch.uint8), random_fp8),
+        "random, one layer (float8 dtype)": step(layer(torch.float8_e4m3fn), random),
+        "random, Mamba states (fp32)": step(mamba, random),
     }
 
 
