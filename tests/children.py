@@ -47,8 +47,10 @@ def connector_report(module=None) -> dict:
         configure = vllm_logger._configure_vllm_root_logger
         report["logging_configuration_wrappers"] = wrapper_count(configure)
     if module is not None:
-        for method, owner in CONNECTOR_METHODS.items():
-            report[method] = wrapper_count(getattr(module, owner).__dict__[method])
+        report["wrappers"] = {
+            method: wrapper_count(getattr(module, owner).__dict__[method])
+            for method, owner in CONNECTOR_METHODS.items()
+        }
     package = sys.modules.get("vllm_kvfill_patch")
     if package is not None:
         current = package.status()

@@ -127,20 +127,12 @@ def patches_by_release() -> dict[str, list[Path]]:
     return by_release(ROOT / "patches")
 
 
-def git_apply(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess:
+def git_apply(tree: Path, patch: Path) -> subprocess.CompletedProcess:
     """`git apply` the connector's part of `patch` in `tree` (a series also
     changes upstream's test file, which a connector-only tree lacks)."""
+    include = f"--include={CONNECTOR_PATH.as_posix()}"
     return subprocess.run(
-        [
-            "git",
-            "apply",
-            f"--include={CONNECTOR_PATH.as_posix()}",
-            *options,
-            str(patch),
-        ],
-        cwd=tree,
-        capture_output=True,
-        text=True,
+        ["git", "apply", include, str(patch)], cwd=tree, capture_output=True, text=True
     )
 
 
@@ -160,6 +152,23 @@ def applied_parts(vllm_version: str) -> list[str]:
     parts = {"fill": bool(defects - {"no_refill", "hit_blocks"})}
     parts |= {"refill": "no_refill" in defects, "prefix-hit": "hit_blocks" in defects}
     return [part for part, needed in parts.items() if needed]
+
+
+NOTHING_WRAPPED = dict.fromkeys(children.CONNECTOR_METHODS, 0)
+"""A child's ``report["wrappers"]`` where the patch is out."""
+
+
+def wrappers_for(parts: list[str]) -> dict[str, int]:
+    """A child's ``report["wrappers"]`` where these parts of the patch are in:
+    one wrapper on the connector's step (fill), on the scheduler side's
+    ``get_num_new_matched_tokens`` (refill) and on the connector's
+    ``update_state_after_alloc`` (prefix-hit); none on the worker's methods."""
+    return {
+        **NOTHING_WRAPPED,
+        "start_load_kv": int("fill" in parts),
+        "get_num_new_matched_tokens": int("refill" in parts),
+        "update_state_after_alloc": int("prefix-hit" in parts),
+    }
 
 
 def decision_lines(report: dict, decision: str) -> int:

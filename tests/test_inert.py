@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from tests import children
-from tests.helpers import run_fresh, status_command
-from vllm_kvfill_patch.releases import policy_for
+from tests.helpers import BUILD_COMMAND, CONNECTOR_PATH, run_fresh, status_command
 
 
-def test_release_is_inert_by_policy(vllm_version):
-    assert policy_for(vllm_version).decision == "inert"
+def test_the_installed_vllm_has_no_connector():
+    # What makes a release inert, read from its wheel: the policy that chose
+    # this suite for it could be wrong.
+    vllm = importlib.util.find_spec("vllm")  # found, not imported
+    assert vllm is not None and vllm.origin is not None, BUILD_COMMAND
+    assert not (Path(vllm.origin).parent.parent / CONNECTOR_PATH).exists()
 
 
 def test_plugin_leaves_upstream_methods_untouched(vllm_version):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-import vllm_kvfill_patch
 from tests.helpers import applied_parts, overlay_reverted
 from tests.hybrid import BLOCK_SIZE, PROMPT_LEN, kv_cache_tensor, make_request
 from vllm_kvfill_patch.releases import parse_release
@@ -308,7 +307,3 @@ def test_a_never_filled_request_is_handled_as_upstream_handles_it(connector):
     results = upstream_and_overlay(resume_unfilled)
     assert results["upstream"][0][0] == 0  # a one-token prompt: nothing to fill
     assert results["overlay"] == results["upstream"]
-
-
-def test_status_names_the_active_parts(vllm_version):
-    assert list(vllm_kvfill_patch.status().parts) == applied_parts(vllm_version)

@@ -10,6 +10,9 @@ newest series: tests/test_upstream_hooks.py.
 
 from __future__ import annotations
 
+import email
+import email.policy
+import re
 import subprocess
 
 from tests.helpers import CONNECTOR_PATH, UPSTREAM_TEST_PATH
@@ -22,15 +25,23 @@ def git(tree, *args: str) -> str:
     ).stdout
 
 
+def upstream_title(patch) -> str:
+    """The title a patch file carries for upstream: its Subject, unfolded,
+    without format-patch's numbering."""
+    subject = email.message_from_string(patch.read_text(), policy=email.policy.default)
+    return re.sub(r"^\[PATCH[^\]]*\] ", "", str(subject["Subject"]))
+
+
 def test_the_series_applies_in_order_one_commit_each_keeping_title_prefixes(
     series_commits, patch_series, upstream_tree
 ):
     assert len(series_commits) == len(patch_series)
     for commit, patch in zip(series_commits, patch_series, strict=True):
-        subject = git(upstream_tree, "log", "-1", "--format=%s", commit)
-        # "[Bugfix][KV Connector] ...": git am -b strips only "[PATCH n/m]".
+        subject = git(upstream_tree, "log", "-1", "--format=%s", commit).strip()
+        # "[Bugfix][KV Connector] ...": upstream's title prefixes kept, only
+        # format-patch's "[PATCH n/m]" gone (git am --keep-non-patch).
+        assert subject == upstream_title(patch), patch.name
         assert subject.startswith("["), subject
-        assert subject.split("]")[0] in patch.read_text(), patch.name
         assert "Signed-off-by: " in git(
             upstream_tree, "log", "-1", "--format=%b", commit
         )

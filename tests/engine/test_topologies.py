@@ -16,17 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.engine import helpers
 from tests.engine.engine_probe import RAY_DEVICE_KEY, write_tiny_lfm2
-from tests.engine.helpers import (
-    admissions,
-    check_processes,
-    check_worker_fills,
-    run_probe,
-    running,
-    send_all,
-    serve_command,
-    wait_until_healthy,
-)
 from tests.engine.trace import Trace, decisions, topology_env
 from vllm_kvfill_patch.fidelity.serve import free_port
 
@@ -62,11 +53,11 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     # One API server, in the head's own process: vLLM's default starts one
     # per rank (three processes that only load the plugins, as the engine
     # cores do; 43 of the test's ~165 CPU-seconds).
-    head = serve_command(
+    head = helpers.serve_command(
         model, "--host", "127.0.0.1", "--port", str(port),
         "--data-parallel-size-local", "2", "--api-server-count", "1", *joined,
     )  # fmt: skip
-    headless = serve_command(
+    headless = helpers.serve_command(
         model, "--headless", "--data-parallel-start-rank", "2",
         "--data-parallel-size-local", "1", *joined,
     )  # fmt: skip
@@ -78,9 +69,9 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
         {"VLLM_CPU_OMP_THREADS_BIND": "1", "KVFILL_PATCH_DISABLE": "1"},
     )
     nodes = [(head, head_env, head_log), (headless, headless_env, headless_log)]
-    with running(nodes) as servers:
-        wait_until_healthy(http_base(port), servers, [head_log, headless_log])
-        generated = send_all(
+    with helpers.running(nodes) as servers:
+        helpers.wait_until_healthy(http_base(port), servers, [head_log, headless_log])
+        generated = helpers.send_all(
             http_base(port),
             model,
             PREEMPTION["requests"],
@@ -89,8 +80,8 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
         )
     assert generated == [PREEMPTION["output"]] * PREEMPTION["requests"]
     head_trace, headless_trace = Trace(tmp_path / "head"), Trace(tmp_path / "headless")
-    check_processes(head_trace, head_log.read_text(), "applied")
-    check_processes(headless_trace, headless_log.read_text(), "disabled")
+    helpers.check_processes(head_trace, head_log.read_text(), "applied")
+    helpers.check_processes(headless_trace, headless_log.read_text(), "disabled")
 
     # The head's two ranks: a scheduler and a worker each, in processes of
     # their own; every fill wrote its requests' rows and nothing else.
@@ -99,7 +90,7 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     ]
     workers = sorted(head_trace.pids("fill"))
     assert len(schedulers) == 2 and len(workers) == 2
-    filled = [check_worker_fills(head_trace, pid) for pid in workers]
+    filled = [helpers.check_worker_fills(head_trace, pid) for pid in workers]
     assert all(filled)
     # The refill in each: every admission and every resumption after a
     # preemption computed one token (a fill, not a prefill); the node
@@ -108,7 +99,7 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     for pid in schedulers:
         steps = head_trace.of(pid, "schedule")
         preemptions += sum(len(step["preempted"]) for step in steps)
-        counts_by_request = admissions(steps).values()
+        counts_by_request = helpers.admissions(steps).values()
         admitted += len(counts_by_request)
         assert all(counts == [1] * len(counts) for counts in counts_by_request)
     print(f"head: {admitted} requests admitted, {preemptions} preemptions")
@@ -120,13 +111,13 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
 
 
 def admissions_of(trace: Trace, pid: int) -> dict:
-    return admissions(trace.of(pid, "schedule"))
+    return helpers.admissions(trace.of(pid, "schedule"))
 
 
 def ray_node(trace_dir: Path, ip: str, port: int, head: bool) -> tuple:
     """A Ray node of this machine at address `ip` (`ray start --block`, which
     stops the node's processes when terminated) with one logical GPU, as
-    `running` takes it; its processes traced into `trace_dir` and given
+    `helpers.running` takes it; its processes traced into `trace_dir` and given
     vllm-cpu's platform with the Ray device key "GPU"."""
     ray = str(Path(sys.executable).with_name("ray"))
     if head:
@@ -178,11 +169,11 @@ def test_ray_over_two_nodes_each_nodes_worker_patched_and_checked(tmp_path):
     head_dir, node_dir = tmp_path / "head", tmp_path / "node-2"
     head = ray_node(head_dir, "127.0.0.1", port, head=True)
     node = ray_node(node_dir, "127.0.0.2", port, head=False)
-    with running([head]) as (head_process,):
+    with helpers.running([head]) as (head_process,):
         wait_until_started(head_process, head[2])
-        with running([node]) as (node_process,):
+        with helpers.running([node]) as (node_process,):
             wait_until_started(node_process, node[2])
-            report = run_probe(
+            report = helpers.run_probe(
                 {
                     "executor": "ray",
                     "tensor_parallel": 2,
@@ -202,12 +193,12 @@ def test_ray_over_two_nodes_each_nodes_worker_patched_and_checked(tmp_path):
     workers = {w["pid"]: w for w in report["workers"]}
     for trace_dir in (head_dir, node_dir):
         trace = Trace(trace_dir)
-        check_processes(trace, report["log"], "applied")
+        helpers.check_processes(trace, report["log"], "applied")
         (worker,) = trace.pids("fill")
         assert trace.roles() == {"WORKER": 1}
         assert workers[worker]["package_loaded_before_this_call"]
         assert workers[worker]["parts"] == ["fill", "refill"]
-        assert check_worker_fills(trace, worker) == 5
+        assert helpers.check_worker_fills(trace, worker) == 5
     assert len(workers) == 2
     # The driver holds the engine core (the scheduler) and decided before
     # vLLM configured its logging there: its line is logged all the same.
