@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -83,6 +84,12 @@ def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
     rows = [line for line in run["stdout"].splitlines() if line.startswith("| main")]
     assert [row.split(" | ")[1] for row in rows] == list(MODES)
     assert all("did not run" not in row for row in rows)
+    # Each mode against the ideal, paired by round (one round: no range).
+    against = {row.split(" | ")[1]: row.split(" | ")[-2:] for row in rows}
+    assert against.pop("ideal") == ["(reference)", "(reference) |"]
+    for tpot, itl in against.values():
+        assert re.fullmatch(r"[+-]\d+\.\d%", tpot), tpot
+        assert re.fullmatch(r"[+-]\d+\.\d% \|", itl), itl
     picture = run["output"] / "decode.png"
     assert f"picture: {picture}" in run["stdout"]
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

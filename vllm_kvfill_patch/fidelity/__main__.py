@@ -223,6 +223,7 @@ class Run:
             return
         for key in (*COUNTS, "preemptions"):
             figures[key] = after[key] - before[key]
+        figures["round"] = round_
         if figures["completed"] < figures["num_prompts"]:
             # vllm bench serve counts a request a dead engine dropped as failed.
             log = server.log.read_text(errors="replace")

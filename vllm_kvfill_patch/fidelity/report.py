@@ -49,9 +49,24 @@ def expert_imbalance(cell: Cell) -> str:
 
 
 def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
+    """The mode against the ideal, round by round: the median of each round's
+    ratio, and their range. Runs of one round ran minutes apart at most, so
+    a slow spell of the machine moves both; the range says what the median
+    can be trusted to (a difference inside it is noise)."""
     if ideal is None or ideal.error or not ideal.runs or not cell.runs:
         return "-"
-    return f"{cell.median(key) / ideal.median(key) - 1:+.1%}"
+    by_round = {run["round"]: run[key] for run in ideal.runs}
+    ratios = [
+        run[key] / by_round[run["round"]] - 1
+        for run in cell.runs
+        if by_round.get(run["round"])
+    ]
+    if not ratios:
+        return "-"
+    middle = f"{statistics.median(ratios):+.1%}"
+    if len(ratios) == 1:
+        return middle
+    return f"{middle} [{min(ratios):+.0%}, {max(ratios):+.0%}]"
 
 
 def table(cells: dict[tuple[str, str, int], Cell]) -> str:
@@ -59,7 +74,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     headings = [
         "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
         "preempted", "re-prefilled tok", "expert max/mean", "subnormal",
-        "TPOT p50 vs ideal", "ITL p99 vs ideal",
+        "TPOT p50 vs ideal [range]", "ITL p99 vs ideal [range]",
     ]  # fmt: skip
     rows = []
     for (case, mode, concurrency), cell in cells.items():
@@ -75,8 +90,11 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         checked = cell.total("checked_outputs")
         row.append(f"{cell.total('subnormal_outputs'):.0f}" if checked else "-")
         ideal = cells.get((case, IDEAL, concurrency))
-        row.append(against_ideal(cell, ideal, "median_tpot_ms"))
-        row.append(against_ideal(cell, ideal, "p99_itl_ms"))
+        if mode == IDEAL:
+            row += ["(reference)", "(reference)"]
+        else:
+            row.append(against_ideal(cell, ideal, "median_tpot_ms"))
+            row.append(against_ideal(cell, ideal, "p99_itl_ms"))
         rows.append(row)
     lines = ["| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
