@@ -472,16 +472,19 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="4 KiB pages, 1 and 16 requests"
     )
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--requests", type=int, nargs="+",
+        help=f"the table's step sizes (default {REQUESTS}; --quick: {QUICK_REQUESTS})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    requests = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
     device = torch.device(args.device)
     page_bytes = QUICK_PAGE_BYTES if args.quick else PAGE_BYTES
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__} on {name}")
     ok = check_bytes(device, QUICK_PAGE_BYTES)
     ok &= check_no_sync(device, page_bytes)
-    ok &= time_steps(
-        device, page_bytes, QUICK_REQUESTS if args.quick else REQUESTS, args.repeats
-    )
+    ok &= time_steps(device, page_bytes, tuple(requests), args.repeats)
     print("\nresult:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
