@@ -41,6 +41,9 @@ def run(tmp_path_factory) -> dict:
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     summary = json.loads((output / "summary.json").read_text())
     cells = {cell["mode"]: cell for cell in summary["cells"]}
+    # Every test below needs every mode's run: say at once why one is missing.
+    errors = {mode: cell["error"] for mode, cell in cells.items() if cell["error"]}
+    assert not errors, f"{errors}\n{done.stdout[-5000:]}"
     return {"stdout": done.stdout, "output": output, "summary": summary, **cells}
 
 

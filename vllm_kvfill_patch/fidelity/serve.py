@@ -40,10 +40,26 @@ def vllm_command() -> str:
     return str(Path(sys.executable).with_name("vllm"))
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on now, and not handed out before by this
+    process: servers started together each get their own."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+PORT_TAKEN = "Address already in use"
+PORT_ATTEMPTS = 3
+"""A server whose port another process took before vLLM bound it (its
+engine and worker processes, or another program, take ports of their own
+meanwhile) is started again on another port, up to this many times."""
 
 
 @dataclass
@@ -100,9 +116,16 @@ class Server:
         """None once /health answers; else why not (the log's first error)."""
         assert self.process is not None
         deadline = time.monotonic() + timeout
+        attempts = 1
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                return first_error(self.log.read_text(errors="replace"))
+                log = self.log.read_text(errors="replace")
+                if PORT_TAKEN in log and attempts < PORT_ATTEMPTS:
+                    attempts += 1
+                    self.port = free_port()
+                    self.start()
+                    continue
+                return first_error(log)
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5):
                     return None
