@@ -111,22 +111,20 @@ def registered(
     runs (its registered caches, the fill parameters), with the layout the
     step takes from its registration: `caches_by_group`, each a list of
     layers, in pools of `num_blocks` blocks, filled with `value`."""
-    kv_caches = {
-        f"group{group}.layer{layer}": cache
+    group_to_layers = {
+        group: [f"group{group}.layer{layer}" for layer in range(len(caches))]
         for group, caches in caches_by_group.items()
-        for layer, cache in enumerate(caches)
+    }
+    kv_caches = {
+        name: cache
+        for group, caches in caches_by_group.items()
+        for name, cache in zip(group_to_layers[group], caches, strict=True)
     }
     worker = SimpleNamespace(
         kv_caches=kv_caches, fill_mean=value.mean, fill_std=value.std
     )
     layout = worker_step.CacheLayout(
-        num_blocks,
-        value.encoding,
-        {
-            group: [n for n in kv_caches if n.startswith(f"group{group}.")]
-            for group in caches_by_group
-        },
-        kv_caches=kv_caches,
+        num_blocks, value.encoding, group_to_layers, kv_caches=kv_caches
     )
     return worker, layout
 
