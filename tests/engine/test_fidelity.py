@@ -83,10 +83,25 @@ def test_the_fill_keeps_the_models_arithmetic_normal(run):
         assert figures["subnormal_outputs"] == 0, mode
 
 
+def test_each_connector_modes_fill_was_timed_in_every_forward_pass(run):
+    for mode in MODES:
+        (figures,) = run[mode]["runs"]
+        if MODES[mode].connector is None:
+            assert figures["fill_calls"] == figures["fill_seconds"] == 0, mode
+            continue
+        # A forward pass computes at most CONCURRENCY of the requests' tokens.
+        assert figures["fill_calls"] >= PROMPTS * OUTPUT / CONCURRENCY, mode
+        assert figures["fill_seconds"] > 0, mode
+
+
 def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
     rows = [line for line in run["stdout"].splitlines() if line.startswith("| main")]
     assert [row.split(" | ")[1] for row in rows] == list(MODES)
     assert all("did not run" not in row for row in rows)
+    fills = {row.split(" | ")[1]: row.split(" | ")[-3] for row in rows}
+    assert fills.pop("prefill") == "-"
+    for fill in fills.values():
+        assert re.fullmatch(r"\d+\.\d{3} ms \(\d+\.\d%\)", fill), fill
     # Each mode against the ideal, paired by round (one round: no range).
     against = {row.split(" | ")[1]: row.split(" | ")[-2:] for row in rows}
     assert against.pop("ideal") == ["(reference)", "(reference) |"]

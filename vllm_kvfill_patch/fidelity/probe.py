@@ -15,6 +15,11 @@ difference.
   block's router logits, top-k as the block routes them; imbalance is the
   busiest expert's tokens over the mean, averaged over layers and steps. It
   sees eager forward passes only (CUDA graphs replay without Python hooks).
+- ``fill_*`` (worker): calls of the connector's worker-side
+  ``start_load_kv`` (once per forward pass; in the ideal mode a no-op) and
+  the wall time spent in them: what the fill adds to each step. On a GPU it
+  is the time the fill holds the worker's thread (its kernels run
+  asynchronously; ``tools/bench.py`` times them).
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
@@ -50,6 +55,8 @@ class Counters:
         self.expert_forwards = 0
         self.subnormal_outputs: Any = 0
         self.checked_outputs = 0
+        self.fill_calls = 0
+        self.fill_seconds = 0.0
         self.changed = False
 
     def snapshot(self) -> dict:
@@ -61,6 +68,8 @@ class Counters:
                 "expert_imbalance_sum": float(imbalance),
                 "subnormal_outputs": int(self.subnormal_outputs),
                 "checked_outputs": self.checked_outputs,
+                "fill_calls": self.fill_calls,
+                "fill_seconds": self.fill_seconds,
             }
 
     def save_while_running(self) -> None:
@@ -89,6 +98,9 @@ def install() -> None:
     threading.Thread(target=_counters.save_while_running, daemon=True).start()
     wrapt.register_post_import_hook(_count_reprefills, "vllm.v1.core.sched.scheduler")
     wrapt.register_post_import_hook(_find_moe_routers, "torch")
+    wrapt.register_post_import_hook(
+        _time_worker_fills, "vllm.distributed.kv_transfer.kv_connector.factory"
+    )
 
 
 def run_hidden_sitecustomize(ours: str) -> None:
@@ -119,6 +131,39 @@ def _count_reprefills(module: Any) -> None:
     import wrapt
 
     wrapt.wrap_function_wrapper(module, "Scheduler.schedule", schedule)
+
+
+def _time_worker_fills(module: Any) -> None:
+    """Each worker-side connector vLLM creates gets its `start_load_kv`
+    timed: on the instance, so that whatever its class runs (upstream's,
+    this package's, the ideal's no-op) is what is timed."""
+
+    def create(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        connector = wrapped(*args, **kwargs)
+        role = getattr(connector, "role", None)
+        if getattr(role, "name", None) == "WORKER":
+            connector.start_load_kv = _timed(connector.start_load_kv)
+        return connector
+
+    import wrapt
+
+    wrapt.wrap_function_wrapper(module, "KVConnectorFactory.create_connector", create)
+
+
+def _timed(start_load_kv: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return start_load_kv(*args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - started
+            assert _counters is not None
+            with _counters.lock:
+                _counters.fill_calls += 1
+                _counters.fill_seconds += elapsed
+                _counters.changed = True
+
+    return timed
 
 
 def _find_moe_routers(torch: Any) -> None:

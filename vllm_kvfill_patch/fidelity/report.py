@@ -48,6 +48,18 @@ def expert_imbalance(cell: Cell) -> str:
     return f"{cell.total('expert_imbalance_sum') / forwards:.2f}"
 
 
+def fill_per_step(cell: Cell) -> str:
+    """The worker's time in the connector's fill per forward pass, and its
+    share of the mean inter-token latency: how much of each decode step the
+    write itself takes, measured inside vLLM rather than read off the
+    noisier end-to-end figures."""
+    calls = cell.total("fill_calls")
+    if not calls:
+        return "-"
+    per_step = cell.total("fill_seconds") * 1000 / calls
+    return f"{per_step:.3f} ms ({per_step / cell.median('mean_itl_ms'):.1%})"
+
+
 def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
     """The mode against the ideal, round by round: the median of each round's
     ratio, and their range. Runs of one round ran minutes apart at most, so
@@ -74,6 +86,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     headings = [
         "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
         "preempted", "re-prefilled tok", "expert max/mean", "subnormal",
+        "fill per step (of ITL)",
         "TPOT p50 vs ideal [range]", "ITL p99 vs ideal [range]",
     ]  # fmt: skip
     rows = []
@@ -89,6 +102,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         row.append(expert_imbalance(cell))
         checked = cell.total("checked_outputs")
         row.append(f"{cell.total('subnormal_outputs'):.0f}" if checked else "-")
+        row.append(fill_per_step(cell))
         ideal = cells.get((case, IDEAL, concurrency))
         if mode == IDEAL:
             row += ["(reference)", "(reference)"]

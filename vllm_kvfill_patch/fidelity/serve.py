@@ -24,6 +24,8 @@ COUNTS = (
     "expert_imbalance_sum",
     "subnormal_outputs",
     "checked_outputs",
+    "fill_calls",
+    "fill_seconds",
 )
 """The probe's counters, summed over a server's processes."""
 SITE = (
