@@ -8,7 +8,8 @@ this package; a fill that writes nothing, the ideal) a fresh ``vllm serve``;
 against each, vLLM's own ``vllm bench serve`` (random dataset, fixed input and
 output lengths, ``--ignore-eos``) at each concurrency, the modes' runs taken in
 turn, round after round, so that a slow spell of the machine falls on all of
-them. Prints one table (medians over the rounds, each mode against the ideal),
+them. Prints one table (medians over the rounds, each mode against the ideal,
+the fill's time per step inside vLLM's worker),
 keeps vLLM's result files and draws TPOT and ITL p99 against concurrency.
 A preemption case runs the connector modes again on a KV cache small enough
 that vLLM preempts. Nothing at run time imports this package.
