@@ -88,19 +88,21 @@ def test_each_connector_modes_fill_was_timed_in_every_forward_pass(run):
         (figures,) = run[mode]["runs"]
         if MODES[mode].connector is None:
             assert figures["fill_calls"] == figures["fill_seconds"] == 0, mode
+            assert not any(figures["fill_histogram"]), mode
             continue
         # A forward pass computes at most CONCURRENCY of the requests' tokens.
         assert figures["fill_calls"] >= PROMPTS * OUTPUT / CONCURRENCY, mode
         assert figures["fill_seconds"] > 0, mode
+        assert sum(figures["fill_histogram"]) == figures["fill_calls"], mode
 
 
 def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
     rows = [line for line in run["stdout"].splitlines() if line.startswith("| main")]
     assert [row.split(" | ")[1] for row in rows] == list(MODES)
     assert all("did not run" not in row for row in rows)
-    fills = {row.split(" | ")[1]: row.split(" | ")[-3] for row in rows}
-    assert fills.pop("prefill") == "-"
-    for fill in fills.values():
+    fills = {row.split(" | ")[1]: row.split(" | ")[-4:-2] for row in rows}
+    assert fills.pop("prefill") == ["-", "-"]
+    for fill in sum(fills.values(), []):
         assert re.fullmatch(r"\d+\.\d{3} ms \(\d+\.\d%\)", fill), fill
     # Each mode against the ideal, paired by round (one round: no range).
     against = {row.split(" | ")[1]: row.split(" | ")[-2:] for row in rows}

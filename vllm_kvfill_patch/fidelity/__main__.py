@@ -223,7 +223,7 @@ class Run:
             self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
             return
         for key in (*COUNTS, "preemptions"):
-            figures[key] = after[key] - before[key]
+            figures[key] = probe.counted(after[key], before[key], -1)
         figures["round"] = round_
         if figures["completed"] < figures["num_prompts"]:
             # vllm bench serve counts a request a dead engine dropped as failed.

@@ -17,7 +17,9 @@ difference.
   sees eager forward passes only (CUDA graphs replay without Python hooks).
 - ``fill_*`` (worker): calls of the connector's worker-side
   ``start_load_kv`` (once per forward pass; in the ideal mode a no-op) and
-  the wall time spent in them: what the fill adds to each step. On a GPU it
+  the wall time spent in them, in all and by call (``fill_histogram``, in
+  buckets a quarter of an octave wide): what the fill adds to each step, on
+  average and at its slowest. On a GPU it
   is the time the fill holds the worker's thread (its kernels run
   asynchronously; ``tools/bench.py`` times them).
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
@@ -31,6 +33,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import sys
 import threading
@@ -42,6 +45,27 @@ DIR_ENV = "KVFILL_FIDELITY_PROBE_DIR"
 DECODE_TOKENS_ENV = "KVFILL_FIDELITY_DECODE_TOKENS"
 SUBNORMALS_ENV = "KVFILL_FIDELITY_SUBNORMALS"
 FLUSH_SECONDS = 0.5
+FILL_BUCKETS = 96
+"""Buckets of ``fill_histogram``: bucket k counts the fills of at most
+``fill_bucket_bound(k)`` seconds (and more than bucket k - 1's), from 1 us
+up; the last also counts any longer."""
+
+
+def fill_bucket_bound(bucket: int) -> float:
+    return 1e-6 * 2 ** (bucket / 4)
+
+
+def counted(a: Any, b: Any, sign: int = 1) -> Any:
+    """a + sign * b, for counters (a histogram bucket by bucket)."""
+    if isinstance(a, list):
+        return [x + sign * y for x, y in zip(a, b, strict=True)]
+    return a + sign * b
+
+
+def fill_bucket(seconds: float) -> int:
+    if seconds <= 1e-6:
+        return 0
+    return min(FILL_BUCKETS - 1, math.ceil(4 * math.log2(seconds / 1e-6)))
 
 
 class Counters:
@@ -57,6 +81,7 @@ class Counters:
         self.checked_outputs = 0
         self.fill_calls = 0
         self.fill_seconds = 0.0
+        self.fill_histogram = [0] * FILL_BUCKETS
         self.changed = False
 
     def snapshot(self) -> dict:
@@ -70,6 +95,7 @@ class Counters:
                 "checked_outputs": self.checked_outputs,
                 "fill_calls": self.fill_calls,
                 "fill_seconds": self.fill_seconds,
+                "fill_histogram": list(self.fill_histogram),
             }
 
     def save_while_running(self) -> None:
@@ -161,6 +187,7 @@ def _timed(start_load_kv: Any) -> Any:
             with _counters.lock:
                 _counters.fill_calls += 1
                 _counters.fill_seconds += elapsed
+                _counters.fill_histogram[fill_bucket(elapsed)] += 1
                 _counters.changed = True
 
     return timed

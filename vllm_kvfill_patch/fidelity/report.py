@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.modes import IDEAL
+from vllm_kvfill_patch.fidelity.probe import FILL_BUCKETS, counted, fill_bucket_bound
 
 
 @dataclass
@@ -60,6 +63,23 @@ def fill_per_step(cell: Cell) -> str:
     return f"{per_step:.3f} ms ({per_step / cell.median('mean_itl_ms'):.1%})"
 
 
+def slowest_fills(cell: Cell) -> str:
+    """The 99th percentile of the fill's time per forward pass (the upper
+    bound of its histogram bucket: at most 19% above it), and its share of
+    ITL p99: what the fill can add to the slowest steps."""
+    histogram = [0] * FILL_BUCKETS
+    for run in cell.runs:
+        histogram = counted(histogram, run["fill_histogram"])
+    rank = math.ceil(0.99 * sum(histogram))
+    if not rank:
+        return "-"
+    bucket = next(
+        k for k, seen in enumerate(itertools.accumulate(histogram)) if seen >= rank
+    )
+    p99 = fill_bucket_bound(bucket) * 1000
+    return f"{p99:.3f} ms ({p99 / cell.median('p99_itl_ms'):.1%})"
+
+
 def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
     """The mode against the ideal, round by round: the median of each round's
     ratio, and their range. Runs of one round ran minutes apart at most, so
@@ -86,7 +106,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     headings = [
         "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
         "preempted", "re-prefilled tok", "expert max/mean", "subnormal",
-        "fill per step (of ITL)",
+        "fill per step (of ITL)", "fill p99 (of ITL p99)",
         "TPOT p50 vs ideal [range]", "ITL p99 vs ideal [range]",
     ]  # fmt: skip
     rows = []
@@ -103,6 +123,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         checked = cell.total("checked_outputs")
         row.append(f"{cell.total('subnormal_outputs'):.0f}" if checked else "-")
         row.append(fill_per_step(cell))
+        row.append(slowest_fills(cell))
         ideal = cells.get((case, IDEAL, concurrency))
         if mode == IDEAL:
             row += ["(reference)", "(reference)"]

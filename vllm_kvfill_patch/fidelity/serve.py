@@ -26,8 +26,12 @@ COUNTS = (
     "checked_outputs",
     "fill_calls",
     "fill_seconds",
+    "fill_histogram",
 )
-"""The probe's counters, summed over a server's processes."""
+"""The probe's counters, summed over a server's processes (a histogram
+bucket by bucket)."""
+
+
 SITE = (
     "import vllm_kvfill_patch.fidelity.probe as probe\n"
     "probe.install()\n"
@@ -154,10 +158,11 @@ class Server:
         preemptions (Prometheus), now."""
         time.sleep(2 * probe.FLUSH_SECONDS)  # the probes' last counts saved
         total: dict = dict.fromkeys(COUNTS, 0)
+        total["fill_histogram"] = [0] * probe.FILL_BUCKETS
         for path in self.probe_dir.glob("*.json"):
             counts = json.loads(path.read_text())
             for key in COUNTS:
-                total[key] += counts[key]
+                total[key] = probe.counted(total[key], counts[key])
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
 
