@@ -19,9 +19,9 @@ difference.
   ``start_load_kv`` (once per forward pass; in the ideal mode a no-op) and
   the wall time spent in them, in all and by call (``fill_histogram``, in
   buckets a quarter of an octave wide): what the fill adds to each step, on
-  average and at its slowest. On a GPU it
-  is the time the fill holds the worker's thread (its kernels run
-  asynchronously; ``tools/bench.py`` times them).
+  average and at its slowest. On a GPU it is the time the fill holds the
+  worker's thread (its kernels run asynchronously; ``tools/bench.py`` times
+  them).
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
@@ -55,17 +55,17 @@ def fill_bucket_bound(bucket: int) -> float:
     return 1e-6 * 2 ** (bucket / 4)
 
 
+def fill_bucket(seconds: float) -> int:
+    if seconds <= 1e-6:
+        return 0
+    return min(FILL_BUCKETS - 1, math.ceil(4 * math.log2(seconds / 1e-6)))
+
+
 def counted(a: Any, b: Any, sign: int = 1) -> Any:
     """a + sign * b, for counters (a histogram bucket by bucket)."""
     if isinstance(a, list):
         return [x + sign * y for x, y in zip(a, b, strict=True)]
     return a + sign * b
-
-
-def fill_bucket(seconds: float) -> int:
-    if seconds <= 1e-6:
-        return 0
-    return min(FILL_BUCKETS - 1, math.ceil(4 * math.log2(seconds / 1e-6)))
 
 
 class Counters:

@@ -30,8 +30,6 @@ COUNTS = (
 )
 """The probe's counters, summed over a server's processes (a histogram
 bucket by bucket)."""
-
-
 SITE = (
     "import vllm_kvfill_patch.fidelity.probe as probe\n"
     "probe.install()\n"
