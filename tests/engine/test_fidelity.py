@@ -18,6 +18,7 @@ from vllm_kvfill_patch.fidelity.modes import MODES
 from vllm_kvfill_patch.fidelity.serve import SITE
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
+VALUE_CYCLES = 3
 PREEMPTING_BLOCKS = 24
 """The embedded model's KV blocks that hold three of these requests (each
 takes two 256-token attention blocks and a state block per linear-attention
@@ -33,6 +34,7 @@ def run(tmp_path_factory) -> dict:
         "--concurrency", str(CONCURRENCY),
         "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
         "--output-len", str(OUTPUT), "--rounds", "1", "--count-subnormals",
+        "--value-cycles", str(VALUE_CYCLES),
         "--preemption-blocks", "0",
         "--serve-args", f"--num-gpu-blocks-override {PREEMPTING_BLOCKS}",
         "--output-dir", str(output),
@@ -94,6 +96,23 @@ def test_each_connector_modes_fill_was_timed_in_every_forward_pass(run):
         assert figures["fill_calls"] >= PROMPTS * OUTPUT / CONCURRENCY, mode
         assert figures["fill_seconds"] > 0, mode
         assert sum(figures["fill_histogram"]) == figures["fill_calls"], mode
+
+
+def test_decode_steps_were_timed_in_turn_on_real_filled_and_zeroed_caches(run):
+    # fidelity.values: one in-process engine, the requests prefilled for real,
+    # then filled by the connector's worker step (this package's).
+    values = json.loads((run["output"] / "values.json").read_text())
+    (result,) = values.values()
+    assert 0 < result["filled_bytes"] < result["cache_bytes"]
+    log = (run["output"] / "values.log").read_text()
+    assert "vllm-kvfill-patch fills this worker's KV caches by block" in log
+    for state, seconds in result["seconds"].items():
+        assert len(seconds) == VALUE_CYCLES and min(seconds) > 0, state
+    rows = [line for line in run["stdout"].splitlines() if line.startswith("| 4 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["real", "fill", "zero"]
+    assert rows[0].endswith("| (reference) |")
+    for row in rows[1:]:
+        assert re.search(r"\| [+-]\d+\.\d% \[[+-]\d+\.\d%, [+-]\d+\.\d%\] \|$", row)
 
 
 def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):

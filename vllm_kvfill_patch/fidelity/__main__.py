@@ -21,6 +21,7 @@ import argparse
 import json
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode
 from vllm_kvfill_patch.fidelity.report import Cell, picture, table
 from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench, first_error
+from vllm_kvfill_patch.fidelity.values import table as values_table
 
 EMBEDDED_SERVE_ARGUMENTS = [
     "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
@@ -92,6 +94,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--count-subnormals", action="store_true",
         help="count subnormal floats in every module's outputs (slower decode)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--value-cycles", type=int, default=100,
+        help="embedded model: decode steps per KV-cache state in the "
+        "step-by-step comparison of the fill's values with real prefill's "
+        "(fidelity.values); 0: none",
     )  # fmt: skip
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument("--start-timeout", type=float, default=900)
@@ -295,10 +303,13 @@ class Run:
                 f"{', '.join(map(str, concurrencies))}; {self.args.rounds} rounds"
             )
             self.run_case(case, modes, concurrencies, extra)
+        values = self.values()
         self.cells = dict(sorted(self.cells.items(), key=cell_order))
         text = table(self.cells)
         print(text)
         (self.output / "table.md").write_text(text + "\n")
+        if values:
+            print(values)
         model = self.args.model or "the embedded tiny hybrid MoE"
         title = (
             f"{model}: input {self.args.input_len}, output "
@@ -319,6 +330,40 @@ class Run:
         (self.output / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"vLLM's result files and the servers' logs: {self.output}")
         return 0
+
+    def values(self) -> str:
+        """The fill's values against real prefill's, step by step in one
+        engine (`fidelity.values`, embedded model): its table, or why none."""
+        if self.args.model is not None or not self.args.value_cycles:
+            return ""
+        concurrencies = self.args.concurrency
+        self.say(
+            f"values: real, filled and zeroed KV caches, a decode step each in "
+            f"turn, {self.args.value_cycles} times, at concurrency "
+            f"{', '.join(map(str, concurrencies))}"
+        )
+        result = self.output / "values.json"
+        command = [
+            sys.executable, "-m", "vllm_kvfill_patch.fidelity.values",
+            "--concurrency", *map(str, concurrencies),
+            "--input-len", str(self.args.input_len),
+            "--cycles", str(self.args.value_cycles),
+            "--fill-config", self.args.fill_config, "--output", str(result),
+            "--model-dir", self.model,
+        ]  # fmt: skip
+        log = self.output / "values.log"
+        with log.open("w") as out:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode:
+            error = first_error(log.read_text(errors="replace"))
+            self.say(f"values: did not run: {error}")
+            return f"values: did not run: {error}"
+        self.say("values: done")
+        return (
+            "A decode step on the fill's values against real prefill's (the "
+            "median of paired steps' ratios, 95% CI):\n"
+            + values_table(json.loads(result.read_text()))
+        )
 
 
 def cell_order(item: tuple[tuple[str, str, int], Cell]) -> tuple:
