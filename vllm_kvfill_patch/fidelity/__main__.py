@@ -96,7 +96,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="count subnormal floats in every module's outputs (slower decode)",
     )  # fmt: skip
     parser.add_argument(
-        "--value-cycles", type=int, default=100,
+        "--value-cycles", type=int, default=200,
         help="embedded model: decode steps per KV-cache state in the "
         "step-by-step comparison of the fill's values with real prefill's "
         "(fidelity.values); 0: none",

@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument(
-        "--cycles", type=int, default=100, help="decode steps per state and batch"
+        "--cycles", type=int, default=200, help="decode steps per state and batch"
     )
     parser.add_argument(
         "--fill-config", default="{}",
