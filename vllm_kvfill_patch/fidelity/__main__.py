@@ -12,7 +12,9 @@ them. Prints one table (medians over the rounds, each mode against the ideal,
 the fill's time per step inside vLLM's worker),
 keeps vLLM's result files and draws TPOT and ITL p99 against concurrency.
 A preemption case runs the connector modes again on a KV cache small enough
-that vLLM preempts. Nothing at run time imports this package.
+that vLLM preempts. Last, for the embedded model, ``fidelity.values`` times
+decode steps on the fill's values against real prefill's, step by step in one
+engine. vLLM's processes get this package through its plugin entry point only.
 """
 
 from __future__ import annotations

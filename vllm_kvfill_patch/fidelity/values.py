@@ -83,14 +83,13 @@ def whole_storages(kv_caches: dict) -> list[Any]:
 
 
 class Engine:
-    """An in-process vLLM engine with DecodeBenchConnector and this package,
-    whose scheduler admits requests with real prefill (the tool fills them
-    itself, through the connector's worker, when it wants the fill)."""
+    """An in-process vLLM engine with DecodeBenchConnector (and this package,
+    through vLLM's plugin entry point, as users get it), whose scheduler
+    admits requests with real prefill: the tool fills them itself, through
+    the connector's worker, when it wants the fill."""
 
     def __init__(self, model: str, fill_config: dict, max_requests: int) -> None:
         from vllm import LLM
-
-        import vllm_kvfill_patch  # noqa: F401  (applied on import)
 
         config: dict[str, Any] = dict(CONNECTOR)
         if fill_config:
