@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity import probe
-from vllm_kvfill_patch.fidelity.modes import MODES, Mode
+from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
 from vllm_kvfill_patch.fidelity.report import Cell, picture, table
 from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench, first_error
 from vllm_kvfill_patch.fidelity.values import table as values_table
@@ -78,10 +78,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--serve-args", default="", help='added to each vllm serve, e.g. "-tp 4"'
     )
     parser.add_argument("--bench-args", default="", help="added to vllm bench serve")
-    parser.add_argument(
-        "--fill-config", default="{}",
-        help="the connector's kv_connector_extra_config, JSON (fill_mean, fill_std)",
-    )  # fmt: skip
+    add_fill_config_argument(parser)
     parser.add_argument(
         "--preemption-blocks", type=int,
         help="KV blocks of the preemption case (embedded model: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 
@@ -11,6 +12,15 @@ NO_WRITE_CONNECTOR = {
     "kv_connector_module_path": "vllm_kvfill_patch.fidelity.ideal",
     "kv_role": "kv_both",
 }
+
+
+def add_fill_config_argument(parser: argparse.ArgumentParser) -> None:
+    """`--fill-config`: the connector's fill options, as the tool's commands
+    take them."""
+    parser.add_argument(
+        "--fill-config", default="{}",
+        help="the connector's kv_connector_extra_config, JSON (fill_mean, fill_std)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

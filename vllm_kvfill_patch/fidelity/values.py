@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvfill_patch.fidelity.model import SPECIAL_TOKENS, TINY_HYBRID_MOE
-from vllm_kvfill_patch.fidelity.modes import CONNECTOR
+from vllm_kvfill_patch.fidelity.modes import CONNECTOR, add_fill_config_argument
 
 VOCABULARY: int = TINY_HYBRID_MOE["vocab_size"]  # type: ignore[assignment]
 STATES = ("real", "fill", "zero")
@@ -53,10 +53,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cycles", type=int, default=200, help="decode steps per state and batch"
     )
-    parser.add_argument(
-        "--fill-config", default="{}",
-        help="the connector's kv_connector_extra_config, JSON (fill_mean, fill_std)",
-    )  # fmt: skip
+    add_fill_config_argument(parser)
     parser.add_argument(
         "--model-dir", type=Path,
         help="where the embedded model is written (default: a temporary directory)",
