@@ -19,7 +19,10 @@ pair steps milliseconds apart, so the machine's drift cancels. Prints the
 median step per state and each against ``real``: the median of the cycles'
 ratios and its 95% confidence interval. The copy that sets the cache is not
 timed. Tokens and positions are the engine's own, whatever the cache holds:
-the arithmetic is the model's, on each state's values.
+the arithmetic is the model's, on each state's values. The tokens decoded
+add to each request's context (3 a cycle), in blocks that `real` and `fill`
+hold alike, so the prompt's share of the attention shrinks as the cycles go:
+at 200 cycles, to about half.
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ class Engine:
     admits requests with real prefill: the tool fills them itself, through
     the connector's worker, when it wants the fill."""
 
-    def __init__(self, model: str, fill_config: dict, max_requests: int) -> None:
+    def __init__(
+        self, model: str, fill_config: dict, max_requests: int, max_model_len: int
+    ) -> None:
         from vllm import LLM
 
         config: dict[str, Any] = dict(CONNECTOR)
@@ -93,7 +98,7 @@ class Engine:
             config["kv_connector_extra_config"] = fill_config
         self.llm = LLM(
             model=model, load_format="dummy", enforce_eager=True, dtype="bfloat16",
-            max_model_len=2048, max_num_seqs=max_requests,
+            max_model_len=max_model_len, max_num_seqs=max_requests,
             kv_cache_memory_bytes=1 << 27, distributed_executor_backend="uni",
             kv_transfer_config=config,
         )  # fmt: skip
@@ -133,6 +138,22 @@ class Engine:
             self.worker_connector.clear_connector_metadata()
 
 
+def decode_steps(cycles: int) -> int:
+    """Tokens each request generates: its first two before the states are
+    saved, a step per state and cycle, and a margin."""
+    return cycles * len(STATES) + 4
+
+
+def check_not_preempted(requests: dict, concurrency: int) -> None:
+    """A preempted request is prefilled again (over a state copied in): the
+    comparison needs every request running throughout."""
+    if any(request.num_preemptions for request in requests.values()):
+        raise RuntimeError(
+            f"vLLM preempted requests at concurrency {concurrency}: its KV cache "
+            "holds fewer; take a smaller --input-len or --cycles"
+        )
+
+
 def measure(engine: Engine, concurrency: int, input_len: int, cycles: int) -> dict:
     """Each state's step times for `concurrency` running requests, and the
     bytes of the cache the fill changed."""
@@ -140,7 +161,7 @@ def measure(engine: Engine, concurrency: int, input_len: int, cycles: int) -> di
     from vllm import SamplingParams
 
     generator = torch.Generator().manual_seed(concurrency)
-    params = SamplingParams(max_tokens=cycles * len(STATES) + 4, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_steps(cycles), ignore_eos=True)
     ids = [f"c{concurrency}-{i}" for i in range(concurrency)]
     for request_id in ids:
         prompt = torch.randint(
@@ -154,6 +175,7 @@ def measure(engine: Engine, concurrency: int, input_len: int, cycles: int) -> di
         request.num_output_tokens < 2 for request in requests.values()
     ):
         engine.engine.step()
+        check_not_preempted(requests, concurrency)
     contents = {"real": engine.snapshot()}
     engine.fill(list(requests))
     contents["fill"] = engine.snapshot()
@@ -170,6 +192,7 @@ def measure(engine: Engine, concurrency: int, input_len: int, cycles: int) -> di
             started = time.perf_counter()
             engine.engine.step()
             times[state].append(time.perf_counter() - started)
+    check_not_preempted(requests, concurrency)
     engine.engine.abort_request(ids)
     while engine.engine.has_unfinished_requests():
         engine.engine.step()
@@ -215,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with tempfile.TemporaryDirectory() as scratch:
         model = write_embedded_model(args.model_dir or Path(scratch) / "model")
-        engine = Engine(str(model), json.loads(args.fill_config), max(args.concurrency))
+        engine = Engine(
+            str(model),
+            json.loads(args.fill_config),
+            max(args.concurrency),
+            args.input_len + decode_steps(args.cycles),
+        )
         results = {}
         for concurrency in args.concurrency:
             result = measure(engine, concurrency, args.input_len, args.cycles)
