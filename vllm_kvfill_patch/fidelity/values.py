@@ -38,7 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvfill_patch.fidelity.model import SPECIAL_TOKENS, TINY_HYBRID_MOE
+from vllm_kvfill_patch.fidelity.model import (
+    EMBEDDED_ENV,
+    SPECIAL_TOKENS,
+    TINY_HYBRID_MOE,
+    write_embedded_model,
+)
 from vllm_kvfill_patch.fidelity.modes import CONNECTOR, add_fill_config_argument
 
 VOCABULARY: int = TINY_HYBRID_MOE["vocab_size"]  # type: ignore[assignment]
@@ -231,8 +236,6 @@ def table(results: dict[int, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from vllm_kvfill_patch.fidelity.__main__ import EMBEDDED_ENV
-    from vllm_kvfill_patch.fidelity.model import write_embedded_model
 
     os.environ.update(EMBEDDED_ENV)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
