@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from vllm_kvfill_patch.fidelity.modes import MODES
+from vllm_kvfill_patch.fidelity.report import paired_ratio
 from vllm_kvfill_patch.fidelity.serve import SITE
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
@@ -112,7 +114,10 @@ def test_decode_steps_were_timed_in_turn_on_real_filled_and_zeroed_caches(run):
     assert [row.split(" | ")[1] for row in rows] == ["real", "fill", "zero"]
     assert rows[0].endswith("| (reference) |")
     for row in rows[1:]:
-        assert re.search(r"\| [+-]\d+\.\d% \[[+-]\d+\.\d%, [+-]\d+\.\d%\] \|$", row)
+        # Three cycles: the range, with its own confidence.
+        assert re.search(
+            r"\| [+-]\d+\.\d% \[[+-]\d+\.\d%, [+-]\d+\.\d%\] \(75%\) \|$", row
+        )
 
 
 def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
@@ -132,6 +137,24 @@ def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
     picture = run["output"] / "decode.png"
     assert f"picture: {picture}" in run["stdout"]
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_interval_against_the_ideal_holds_the_median_in_95_percent_of_runs():
+    # Pairs of a skewed distribution whose median ratio is known: +10%.
+    rng = random.Random(0)
+    for pairs in (6, 9, 20, 60):
+        held = 0
+        for _ in range(2000):
+            values = [1.1 * rng.lognormvariate(0, 0.2) for _ in range(pairs)]
+            ratio = paired_ratio(values, [1.0] * pairs)
+            held += ratio.low <= 0.1 <= ratio.high
+        assert ratio.confidence >= 0.95
+        assert 0.95 - 0.015 <= held / 2000 <= ratio.confidence + 0.015, pairs
+    # Too few pairs for 95%: the range, and what it holds.
+    three = paired_ratio([1.3, 0.9, 1.1], [1.0] * 3)
+    assert [three.low, three.high, three.confidence] == pytest.approx([-0.1, 0.3, 0.75])
+    assert three.text(0) == "+10% [-10%, +30%] (75%)"
+    assert paired_ratio([1.05], [1.0]).text(1) == "+5.0%"
 
 
 def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):

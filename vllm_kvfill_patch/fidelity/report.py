@@ -80,25 +80,67 @@ def slowest_fills(cell: Cell) -> str:
     return f"{p99:.3f} ms ({p99 / cell.median('p99_itl_ms'):.1%})"
 
 
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """How much larger one set of paired measurements is than its reference:
+    the median of the pairs' ratios minus one, and an interval of two of the
+    ratios' order statistics that holds the true median with `confidence`."""
+
+    median: float
+    low: float
+    high: float
+    confidence: float
+    pairs: int
+
+    def text(self, digits: int) -> str:
+        """`+1.2% [-3.4%, +5.6%]`, with the interval's confidence after it
+        where too few pairs give 95%; the median alone for one pair."""
+        middle = f"{self.median:+.{digits}%}"
+        if self.pairs == 1:
+            return middle
+        interval = f"{middle} [{self.low:+.{digits}%}, {self.high:+.{digits}%}]"
+        if self.confidence < CONFIDENCE:
+            interval += f" ({self.confidence:.0%})"
+        return interval
+
+
+def paired_ratio(values: list[float], references: list[float]) -> PairedRatio:
+    """Distribution-free: the number of ratios below their true median is
+    binomial(n, 1/2), so the interval that leaves out the k smallest and the
+    k largest misses it with probability 2 P(B <= k). The widest k that keeps
+    that at most 5% is taken; under six pairs even the range cannot, and the
+    range is given with its own confidence (75% for three)."""
+    ratios = sorted(v / r - 1 for v, r in zip(values, references, strict=True))
+    n = len(ratios)
+
+    def confidence(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+    k = 0
+    while 2 * (k + 1) < n and confidence(k + 1) >= CONFIDENCE:
+        k += 1
+    return PairedRatio(
+        statistics.median(ratios), ratios[k], ratios[n - 1 - k], confidence(k), n
+    )
+
+
 def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
-    """The mode against the ideal, round by round: the median of each round's
-    ratio, and their range. Runs of one round ran minutes apart at most, so
-    a slow spell of the machine moves both; the range says what the median
-    can be trusted to (a difference inside it is noise)."""
+    """The mode against the ideal, round by round (`paired_ratio`). Runs of
+    one round ran minutes apart at most, so a slow spell of the machine moves
+    both; the interval says what the median can be trusted to (a difference
+    inside it is noise, and more rounds narrow it)."""
     if ideal is None or ideal.error or not ideal.runs or not cell.runs:
         return "-"
     by_round = {run["round"]: run[key] for run in ideal.runs}
-    ratios = [
-        run[key] / by_round[run["round"]] - 1
-        for run in cell.runs
-        if by_round.get(run["round"])
-    ]
-    if not ratios:
+    paired = [run for run in cell.runs if by_round.get(run["round"])]
+    if not paired:
         return "-"
-    middle = f"{statistics.median(ratios):+.1%}"
-    if len(ratios) == 1:
-        return middle
-    return f"{middle} [{min(ratios):+.0%}, {max(ratios):+.0%}]"
+    return paired_ratio(
+        [run[key] for run in paired], [by_round[run["round"]] for run in paired]
+    ).text(1)
 
 
 def table(cells: dict[tuple[str, str, int], Cell]) -> str:
@@ -107,7 +149,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
         "preempted", "re-prefilled tok", "expert max/mean", "subnormal",
         "fill per step (of ITL)", "fill p99 (of ITL p99)",
-        "TPOT p50 vs ideal [range]", "ITL p99 vs ideal [range]",
+        "TPOT p50 vs ideal [95% CI]", "ITL p99 vs ideal [95% CI]",
     ]  # fmt: skip
     rows = []
     for (case, mode, concurrency), cell in cells.items():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,6 +44,7 @@ from vllm_kvfill_patch.fidelity.model import (
     write_embedded_model,
 )
 from vllm_kvfill_patch.fidelity.modes import CONNECTOR, add_fill_config_argument
+from vllm_kvfill_patch.fidelity.report import paired_ratio
 
 VOCABULARY: int = TINY_HYBRID_MOE["vocab_size"]  # type: ignore[assignment]
 STATES = ("real", "fill", "zero")
@@ -205,17 +205,6 @@ def measure(engine: Engine, concurrency: int, input_len: int, cycles: int) -> di
             "seconds": times}  # fmt: skip
 
 
-def against(times: list[float], reference: list[float]) -> tuple[float, float, float]:
-    """The median of the cycles' ratios minus one, and a 95% confidence
-    interval for it from the ratios' order statistics (no assumption on
-    their distribution)."""
-    ratios = sorted(t / r - 1 for t, r in zip(times, reference, strict=True))
-    n = len(ratios)
-    low = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)) - 1)
-    high = min(n - 1, math.ceil(n / 2 + 0.98 * math.sqrt(n)))
-    return statistics.median(ratios), ratios[low], ratios[high]
-
-
 def table(results: dict[int, dict]) -> str:
     lines = [
         "| C | state | step p50 ms | vs real [95% CI] |",
@@ -228,8 +217,7 @@ def table(results: dict[int, dict]) -> str:
             if state == "real":
                 versus = "(reference)"
             else:
-                middle, low, high = against(times[state], times["real"])
-                versus = f"{middle:+.1%} [{low:+.1%}, {high:+.1%}]"
+                versus = paired_ratio(times[state], times["real"]).text(1)
             lines.append(f"| {concurrency} | {state} | {p50:.2f} | {versus} |")
     return "\n".join(lines)
 
