@@ -686,7 +686,9 @@ def declare_cpu_build(session: nox.Session, version: str) -> None:
 
 
 def site_packages(session: nox.Session) -> str:
-    return session.run_install(
+    """The environment's site-packages (asked with `run`, not `run_install`:
+    under `nox -R` the latter runs nothing and returns None)."""
+    return session.run(
         "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
         silent=True,
     ).strip()  # fmt: skip
