@@ -19,10 +19,11 @@ from vllm_kvfill_patch.fidelity.__main__ import (
     RESERVED_CPU_ENV,
     core_reservation_warning,
     parse,
+    rerun_reason,
 )
 from vllm_kvfill_patch.fidelity.modes import MODES
 from vllm_kvfill_patch.fidelity.report import paired_ratio
-from vllm_kvfill_patch.fidelity.serve import SITE
+from vllm_kvfill_patch.fidelity.serve import SITE, read_in_bursts
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
 VALUE_CYCLES = 3
@@ -142,6 +143,34 @@ def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
     picture = run["output"] / "decode.png"
     assert f"picture: {picture}" in run["stdout"]
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_read_in_bursts_or_with_lost_requests_is_taken_again(run):
+    # vLLM's client saved each request's timings: the tool reads them there.
+    path = run["output"] / "results" / f"main-package-c{CONCURRENCY}-r0.json"
+    result = json.loads(path.read_text())
+    assert [len(itls) for itls in result["itls"]] == [OUTPUT - 1] * PROMPTS
+    (figures,) = run["package"]["runs"]
+    assert figures["read_in_bursts"] == read_in_bursts(result)
+    assert "itls" not in figures  # they stay in vLLM's file
+    streamed = {**result, "itls": [[0.01] * (OUTPUT - 1)] * PROMPTS}
+    assert read_in_bursts(streamed) == 0
+    assert rerun_reason(streamed) is None
+    # A client kept off the CPU reads a whole output at once: ITLs of 0.
+    one_burst = [[0.0] * (OUTPUT - 2) + [0.6]] + streamed["itls"][1:]
+    assert read_in_bursts({**result, "itls": one_burst}) == 1
+    reason = rerun_reason({**streamed, "itls": one_burst})
+    assert reason is not None and "read 1 requests' tokens in bursts" in reason
+    # Two chunks read at once now and then is still a stream.
+    half = (OUTPUT - 1) // 2
+    some = [[0.0] * half + [0.01] * (OUTPUT - 1 - half)] * PROMPTS
+    assert read_in_bursts({**result, "itls": some}) == 0
+    # A connection the server closed while the client was away: its error.
+    lost = "Traceback (most recent call last):\n  ...\nServerDisconnectedError: gone\n"
+    failed = {**streamed, "completed": PROMPTS - 1, "errors": ["", lost]}
+    assert rerun_reason(failed) == (
+        f"1 of {PROMPTS} requests failed: ServerDisconnectedError: gone"
+    )
 
 
 def test_the_interval_against_the_ideal_holds_the_median_in_95_percent_of_runs():

@@ -33,7 +33,15 @@ from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
 from vllm_kvfill_patch.fidelity.report import Cell, picture, table
-from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, bench, first_error
+from vllm_kvfill_patch.fidelity.serve import (
+    COUNTS,
+    Server,
+    bench,
+    client_error,
+    first_error,
+    logged_exception,
+    read_in_bursts,
+)
 from vllm_kvfill_patch.fidelity.values import table as values_table
 
 EMBEDDED_SERVE_ARGUMENTS = [
@@ -49,6 +57,26 @@ vLLM preempts from four on."""
 
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+RERUNS = 2
+"""A run whose figures are not the server's (requests that failed on the
+client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
+up to this many times; the last one's figures stand, and the table counts
+its requests read in bursts."""
+
+
+def rerun_reason(figures: dict) -> str | None:
+    """Why a run of `vllm bench serve` is taken again, or None."""
+    failed = figures["num_prompts"] - figures["completed"]
+    if failed:
+        why = client_error(figures) or "vLLM's client gave no reason"
+        return f"{failed} of {figures['num_prompts']} requests failed: {why}"
+    bursts = read_in_bursts(figures)
+    if bursts:
+        return (
+            f"vLLM's client read {bursts} requests' tokens in bursts (it or the "
+            "API server was kept off the CPU)"
+        )
+    return None
 
 
 def core_reservation_warning(args: argparse.Namespace) -> str | None:
@@ -233,33 +261,47 @@ class Run:
         name = f"{case}-{mode.name}-c{concurrency}-r{round_}.json"
         result = self.output / "results" / name
         result.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            before = server.counters()
-            figures = bench(
-                server, self.model, self.tokenizer, concurrency,
-                self.args.prompts_per_concurrency * concurrency,
-                self.args.input_len, self.args.output_len, round_ + 1, result,
-                shlex.split(self.args.bench_args),
-            )  # fmt: skip
-            after = server.counters()
-        except (RuntimeError, OSError) as error:
-            # vllm bench serve failed, or the server is gone: the log says why.
-            log = server.log.read_text(errors="replace")
-            cell.error = f"{error}; the server's log: {first_error(log)}"
+        for attempt in range(RERUNS + 1):
+            try:
+                before = server.counters()
+                figures = bench(
+                    server, self.model, self.tokenizer, concurrency,
+                    self.args.prompts_per_concurrency * concurrency,
+                    self.args.input_len, self.args.output_len, round_ + 1, result,
+                    shlex.split(self.args.bench_args),
+                )  # fmt: skip
+                after = server.counters()
+            except (RuntimeError, OSError) as error:
+                # vllm bench serve failed, or the server is gone: the log says why.
+                log = server.log.read_text(errors="replace")
+                cell.error = f"{error}; the server's log: {first_error(log)}"
+                self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
+                return
+            why = rerun_reason(figures)
+            if why is None or attempt == RERUNS or not server.alive():
+                break
+            self.say(
+                f"{case}: {mode.name} C={concurrency} round {round_ + 1}: {why}; "
+                "taken again"
+            )
+            for taken in (result, result.with_suffix(".log")):
+                taken.rename(
+                    taken.with_name(f"{taken.stem}.rejected{attempt}{taken.suffix}")
+                )
+        bursts = read_in_bursts(figures)
+        if figures["completed"] < figures["num_prompts"]:
+            # A dead engine drops requests; a starved client loses connections.
+            failure = rerun_reason(figures) or "requests failed"
+            logged = logged_exception(server.log.read_text(errors="replace"))
+            if logged is not None:
+                failure += f"; the server logged: {logged}"
+            cell.error = failure
             self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
             return
+        figures = {k: v for k, v in figures.items() if not isinstance(v, list)}
         for key in (*COUNTS, "preemptions"):
             figures[key] = probe.counted(after[key], before[key], -1)
-        figures["round"] = round_
-        if figures["completed"] < figures["num_prompts"]:
-            # vllm bench serve counts a request a dead engine dropped as failed.
-            log = server.log.read_text(errors="replace")
-            cell.error = (
-                f"{figures['failed']} of {figures['num_prompts']} requests failed: "
-                f"{first_error(log)}"
-            )
-            self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
-            return
+        figures.update(round=round_, reruns=attempt, read_in_bursts=bursts)
         cell.runs.append(figures)
         self.say(
             f"{case}: {mode.name} C={concurrency} round {round_ + 1}: "
@@ -268,6 +310,7 @@ class Run:
             f"ITL p99 {figures['p99_itl_ms']:.1f} ms, "
             f"{figures['preemptions']:.0f} preempted, "
             f"{figures['reprefilled_tokens']} tokens re-prefilled"
+            + (f", {bursts} requests read in bursts" if bursts else "")
         )
 
     def run_case(

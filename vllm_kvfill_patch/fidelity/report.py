@@ -147,7 +147,8 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     """One row per (case, mode, concurrency); figures are medians over runs."""
     headings = [
         "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
-        "preempted", "re-prefilled tok", "expert max/mean", "subnormal",
+        "preempted", "re-prefilled tok", "read in bursts", "expert max/mean",
+        "subnormal",
         "fill per step (of ITL)", "fill p99 (of ITL p99)",
         "TPOT p50 vs ideal [95% CI]", "ITL p99 vs ideal [95% CI]",
     ]  # fmt: skip
@@ -161,6 +162,7 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         row.append(f"{cell.spread('median_tpot_ms'):.0%}")
         row.append(f"{cell.total('preemptions'):.0f}")
         row.append(f"{cell.total('reprefilled_tokens'):.0f}")
+        row.append(f"{cell.total('read_in_bursts'):.0f}")
         row.append(expert_imbalance(cell))
         checked = cell.total("checked_outputs")
         row.append(f"{cell.total('subnormal_outputs'):.0f}" if checked else "-")

@@ -137,6 +137,9 @@ class Server:
                 time.sleep(1)
         return f"not up after {timeout:.0f} s"
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def stop(self) -> None:
         if self.process is None:
             return
@@ -181,7 +184,7 @@ class Server:
 EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)\w*: .*)$")
 
 
-def first_error(log: str) -> str:
+def logged_exception(log: str) -> str | None:
     """The first exception a vLLM process logged (its root cause, as vLLM's
     worker logs it before the engine core and the API server report it)."""
     for line in log.splitlines():
@@ -190,8 +193,43 @@ def first_error(log: str) -> str:
         found = EXCEPTION_LINE.match(line.rsplit("] ", 1)[-1].strip())
         if found:
             return found[1]
+    return None
+
+
+def first_error(log: str) -> str:
+    """Why a vLLM process stopped: `logged_exception`, else its last line."""
+    if (exception := logged_exception(log)) is not None:
+        return exception
     lines = log.strip().splitlines()
     return lines[-1].strip() if lines else "exited with no output"
+
+
+BURST_SECONDS = 1e-4
+"""Two streamed chunks of a request that vLLM's client timed this close were
+read at once: they had waited for it in a buffer."""
+
+
+def read_in_bursts(result: dict) -> int:
+    """Requests of a `vllm bench serve` result (saved with `--save-detailed`)
+    whose tokens its client read mostly in bursts: over half their
+    inter-token latencies under `BURST_SECONDS`. Their TPOT and ITL are not
+    the server's (a whole output read at once times as TPOT 0): the client
+    or the API server was kept off the CPU while the engine went on. On two
+    cores this happens: vLLM's engine core spin-waits on its worker."""
+    return sum(
+        1
+        for itls in result.get("itls", [])
+        if itls and 2 * sum(itl < BURST_SECONDS for itl in itls) > len(itls)
+    )
+
+
+def client_error(result: dict) -> str | None:
+    """The exception vLLM's client ended its first failed request with (the
+    last line of its traceback), from a result saved with `--save-detailed`."""
+    for error in result.get("errors", []):
+        if error and error.strip():
+            return error.strip().splitlines()[-1]
+    return None
 
 
 def bench(
@@ -208,7 +246,8 @@ def bench(
 ) -> dict:
     """One run of vLLM's own `vllm bench serve` against `server` (its code,
     in this process: a new interpreter would import vLLM again every run);
-    its result JSON, also left at `result`, its output beside it."""
+    its result JSON (with each request's timings and error), also left at
+    `result`, its output beside it."""
     from vllm.benchmarks.serve import add_cli_args, main
 
     arguments = [
@@ -219,7 +258,7 @@ def bench(
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(result.parent),
+        "--save-result", "--save-detailed", "--result-dir", str(result.parent),
         "--result-filename", result.name, *extra,
     ]  # fmt: skip
     parser = argparse.ArgumentParser(prog="vllm bench serve")
