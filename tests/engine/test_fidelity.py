@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import re
 import subprocess
@@ -171,6 +172,27 @@ def test_a_run_read_in_bursts_or_with_lost_requests_is_taken_again(run):
     assert rerun_reason(failed) == (
         f"1 of {PROMPTS} requests failed: ServerDisconnectedError: gone"
     )
+
+
+def test_the_run_names_its_cpu_and_the_kernel_library_vllm_cpu_chose_for_it(run):
+    import torch
+
+    summary = run["summary"]
+    assert summary["machine"].endswith(f", {len(os.sched_getaffinity(0))} cores")
+    assert f"machine: {summary['machine']}" in run["stdout"]
+    # vllm-cpu's choice (vllm/platforms/cpu.py's import_kernels): on x86 by
+    # the instruction set torch reports, elsewhere always _C.
+    x86 = platform.machine() in ("x86_64", "AMD64", "i686")
+    if not x86 or torch.cpu._is_avx512_bf16_supported():
+        expected = "_C."
+    elif torch.cpu._is_avx512_supported():
+        expected = "_C_AVX512."
+    else:
+        expected = "_C_AVX2."
+    assert set(summary["kernels"]) == {f"main-{mode}" for mode in MODES}
+    for server, libraries in summary["kernels"].items():
+        assert [name.startswith(expected) for name in libraries] == [True], server
+    assert f"vLLM's kernel libraries: {libraries[0]}\n" in run["stdout"]
 
 
 def test_the_interval_against_the_ideal_holds_the_median_in_95_percent_of_runs():

@@ -20,8 +20,10 @@ engine. vLLM's processes get this package through its plugin entry point only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import platform
 import shlex
 import signal
 import subprocess
@@ -185,6 +187,7 @@ class Run:
         self.fill_config = json.loads(args.fill_config)
         self.cells: dict[tuple[str, str, int], Cell] = {}
         self.decisions: dict[str, list[str]] = {}
+        self.kernels: dict[str, set[str]] = {}
 
     def say(self, message: str) -> None:
         elapsed = time.monotonic() - self.started
@@ -355,9 +358,11 @@ class Run:
         for server in servers.values():
             server.stop()
             self.decisions.setdefault(server.name, []).extend(server.decisions())
+            self.kernels.setdefault(server.name, set()).update(server.kernels())
 
     def main(self) -> int:
         self.concurrencies: dict[str, list[int]] = {}
+        self.say(f"machine: {machine()}")
         warning = core_reservation_warning(self.args)
         if warning:
             self.say(f"warning: {warning}")
@@ -383,6 +388,8 @@ class Run:
         print(f"picture: {drawn}")
         for server, decisions in self.decisions.items():
             print(f"{server}: this package's decision lines: {decisions or 'none'}")
+        loaded = sorted(set().union(*self.kernels.values()))
+        print(f"vLLM's kernel libraries: {', '.join(loaded) or 'none seen'}")
         summary = {
             "cells": [
                 {"case": c, "mode": m, "concurrency": n, "runs": cell.runs,
@@ -390,6 +397,8 @@ class Run:
                 for (c, m, n), cell in self.cells.items()
             ],
             "decisions": self.decisions,
+            "machine": machine(),
+            "kernels": {name: sorted(found) for name, found in self.kernels.items()},
         }  # fmt: skip
         (self.output / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"vLLM's result files and the servers' logs: {self.output}")
@@ -428,6 +437,22 @@ class Run:
             "median of paired steps' ratios, 95% CI):\n"
             + values_table(json.loads(result.read_text()))
         )
+
+
+def machine() -> str:
+    """The CPU as /proc/cpuinfo names it, and the cores this process may use:
+    what the figures were measured on."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", platform.machine())
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model')})"
+    usable = getattr(os, "sched_getaffinity", None)
+    cores = len(usable(0)) if usable else os.cpu_count()
+    return f"{name}, {cores} cores"
 
 
 def cell_order(item: tuple[tuple[str, str, int], Cell]) -> tuple:

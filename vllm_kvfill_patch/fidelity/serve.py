@@ -174,6 +174,13 @@ class Server:
         pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
         return sum(float(value) for value in pattern.findall(text))
 
+    def kernels(self) -> list[str]:
+        """The vLLM kernel libraries its processes loaded (`probe`)."""
+        found: set[str] = set()
+        for path in self.probe_dir.glob("*.json"):
+            found.update(json.loads(path.read_text()).get("kernels", []))
+        return sorted(found)
+
     def decisions(self) -> list[str]:
         """The decisions this package's log lines name, one per process."""
         return re.findall(
