@@ -11,6 +11,7 @@ import os
 import platform
 import random
 import re
+import socket
 import subprocess
 import sys
 
@@ -22,9 +23,10 @@ from vllm_kvfill_patch.fidelity.__main__ import (
     parse,
     rerun_reason,
 )
+from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES
 from vllm_kvfill_patch.fidelity.report import paired_ratio
-from vllm_kvfill_patch.fidelity.serve import SITE, read_in_bursts
+from vllm_kvfill_patch.fidelity.serve import SITE, Server, read_in_bursts
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
 VALUE_CYCLES = 3
@@ -226,6 +228,25 @@ def test_a_users_model_on_vllm_cpu_is_warned_once_that_the_connector_takes_a_cor
     assert core_reservation_warning(parse([])) is None
     monkeypatch.setenv(RESERVED_CPU_ENV, "2")
     assert core_reservation_warning(parse(["--model", "their/model"])) is None
+
+
+def test_a_server_whose_port_was_taken_is_started_again_on_another(tmp_path):
+    # vllm serve binds its port before it builds its engine: the first start
+    # fails on the taken port, the second gets past it to the model's config
+    # (a context no model config allows: it fails fast, without an engine).
+    model = write_embedded_model(tmp_path / "model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = Server(
+            "taken", [str(model), "--max-model-len", "1000000"], dict(EMBEDDED_ENV),
+            tmp_path / "server", port=port,
+        )  # fmt: skip
+        server.start()
+        error = server.wait_until_healthy(300)
+    assert server.port != port
+    assert error is not None and error.startswith("ValidationError"), error
 
 
 def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):
