@@ -66,12 +66,20 @@ up to this many times; the last one's figures stand, and the table counts
 its requests read in bursts."""
 
 
+def failed_requests(figures: dict) -> str | None:
+    """How many of a run's requests failed and the client's first error, or
+    None when every one completed."""
+    failed = figures["num_prompts"] - figures["completed"]
+    if not failed:
+        return None
+    why = client_error(figures) or "vLLM's client gave no reason"
+    return f"{failed} of {figures['num_prompts']} requests failed: {why}"
+
+
 def rerun_reason(figures: dict) -> str | None:
     """Why a run of `vllm bench serve` is taken again, or None."""
-    failed = figures["num_prompts"] - figures["completed"]
-    if failed:
-        why = client_error(figures) or "vLLM's client gave no reason"
-        return f"{failed} of {figures['num_prompts']} requests failed: {why}"
+    if failure := failed_requests(figures):
+        return failure
     bursts = read_in_bursts(figures)
     if bursts:
         return (
@@ -291,16 +299,15 @@ class Run:
                 taken.rename(
                     taken.with_name(f"{taken.stem}.rejected{attempt}{taken.suffix}")
                 )
-        bursts = read_in_bursts(figures)
-        if figures["completed"] < figures["num_prompts"]:
+        if failure := failed_requests(figures):
             # A dead engine drops requests; a starved client loses connections.
-            failure = rerun_reason(figures) or "requests failed"
             logged = logged_exception(server.log.read_text(errors="replace"))
             if logged is not None:
                 failure += f"; the server logged: {logged}"
             cell.error = failure
             self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
             return
+        bursts = read_in_bursts(figures)
         figures = {k: v for k, v in figures.items() if not isinstance(v, list)}
         for key in (*COUNTS, "preemptions"):
             figures[key] = probe.counted(after[key], before[key], -1)
@@ -362,7 +369,8 @@ class Run:
 
     def main(self) -> int:
         self.concurrencies: dict[str, list[int]] = {}
-        self.say(f"machine: {machine()}")
+        measured_on = machine()
+        self.say(f"machine: {measured_on}")
         warning = core_reservation_warning(self.args)
         if warning:
             self.say(f"warning: {warning}")
@@ -397,7 +405,7 @@ class Run:
                 for (c, m, n), cell in self.cells.items()
             ],
             "decisions": self.decisions,
-            "machine": machine(),
+            "machine": measured_on,
             "kernels": {name: sorted(found) for name, found in self.kernels.items()},
         }  # fmt: skip
         (self.output / "summary.json").write_text(json.dumps(summary, indent=1))
