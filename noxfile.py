@@ -437,12 +437,25 @@ def install_checkout(session: nox.Session) -> None:
         [str(ROOT), *((ROOT / name).read_text() for name in CHECKOUT_METADATA)]
     )
     installed = install_record(session, "checkout")
-    if installed.exists() and installed.read_text() == record:
+    if (
+        installed.exists()
+        and installed.read_text() == record
+        and editable_install_points_here(session)
+    ):
         session.log(f"{ROOT} is installed here (editable)")
         return
     with checkout_build():
         session.install("--no-deps", "-e", ".")
     installed.write_text(record)
+
+
+def editable_install_points_here(session: nox.Session) -> bool:
+    """Whether the venv's editable install reads this checkout's code: its
+    record was seen to match while setuptools' finder mapped the package to
+    another checkout (one since removed), and no process could import it."""
+    finders = Path(site_packages(session)).glob("__editable___vllm_kvfill_patch_*.py")
+    package = repr(str(ROOT / "vllm_kvfill_patch"))
+    return any(package in finder.read_text() for finder in finders)
 
 
 CHECKOUT_METADATA = ("pyproject.toml",)
