@@ -47,6 +47,7 @@ def run(tmp_path_factory) -> dict:
         sys.executable, "-m", "vllm_kvfill_patch.fidelity",
         "--concurrency", str(CONCURRENCY),
         "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
+        "--min-prompts", "0",
         "--output-len", str(OUTPUT), "--rounds", "1", "--count-subnormals",
         "--value-cycles", str(VALUE_CYCLES),
         "--preemption-blocks", "0",

@@ -60,6 +60,10 @@ vLLM preempts from four on."""
 
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+MIN_PROMPTS = 16
+"""Prompts a run has at least: at concurrency 1, 4 prompts of 64 tokens give
+252 inter-token latencies and a p99 that is their third largest, one
+hiccup of the machine; 16 give a thousand."""
 RERUNS = 2
 """A run whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
@@ -124,9 +128,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument(
         "--prompts-per-concurrency", type=int, default=4,
-        help="prompts in a run: this times its concurrency",
+        help="prompts in a run: this times its concurrency, at least --min-prompts",
     )  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=3, help="runs per cell")
+    parser.add_argument(
+        "--min-prompts", type=int, default=MIN_PROMPTS,
+        help="prompts in a run at least (a run's ITL p99 at concurrency 1 "
+        "needs this many outputs' latencies)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=6,
+        help="runs per cell (six is the fewest whose interval reaches 95%%)",
+    )  # fmt: skip
     parser.add_argument(
         "--modes", nargs="+", choices=list(MODES), default=list(MODES),
     )  # fmt: skip
@@ -262,6 +274,11 @@ class Run:
                     self.cells[(case, name, concurrency)] = Cell(error=error)
         return running
 
+    def prompts(self, concurrency: int) -> int:
+        return max(
+            self.args.min_prompts, self.args.prompts_per_concurrency * concurrency
+        )
+
     def place(self, server: Server) -> Placement | None:
         if self.args.leave_cores:
             return None
@@ -299,7 +316,7 @@ class Run:
                 with measuring(placement.front_cores if placement else None):
                     figures = bench(
                         server, self.model, self.tokenizer, concurrency,
-                        self.args.prompts_per_concurrency * concurrency,
+                        self.prompts(concurrency),
                         self.args.input_len, self.args.output_len, round_ + 1,
                         result, shlex.split(self.args.bench_args),
                     )  # fmt: skip
