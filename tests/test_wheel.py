@@ -42,7 +42,7 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
 
 HOT_FIX = {"__init__", "decision_log", "fill", "gating", "preemption", "prefix_hit"}
 HOT_FIX |= {"releases", "worker_step"}
-FIDELITY_TOOL = {"__init__", "__main__", "ideal", "model", "modes", "probe"}
+FIDELITY_TOOL = {"__init__", "__main__", "cores", "ideal", "model", "modes", "probe"}
 FIDELITY_TOOL |= {"report", "serve", "values"}
 
 
