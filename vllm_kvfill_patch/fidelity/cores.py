@@ -10,8 +10,8 @@ TPOT 0, dropped connections). The tool puts every process of a server but
 its workers, and the client while it measures, on the cores the workers
 leave, and lowers the engine side's priority there (`LOWERED_NICENESS`): it
 gets what the API server and the client leave, the workers keep their
-cores alone. Where no worker is bound (GPU servers) nothing is moved.
-Linux only (`/proc`, per-thread affinity).
+cores alone. Where no worker is bound (GPU servers), and off Linux (it reads
+`/proc` and sets each thread's affinity), nothing is moved.
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ class Placement:
         """The placement of the server whose API server is `leader` (a
         session leader), found before anything is moved; None where no
         process is bound to fewer cores than the API server may use (no
-        worker bound), or the workers hold them all."""
+        worker bound), or the workers hold them all, or off Linux."""
+        if not hasattr(os, "sched_setaffinity"):
+            return None
         everywhere = _cores(leader)
         cores = {pid: _cores(pid) for pid in _session_processes(leader)}
         workers = tuple(pid for pid, on in cores.items() if on and on < everywhere)
@@ -122,7 +124,7 @@ def measuring(front_cores: frozenset[int] | None) -> Iterator[None]:
     given), and without Python's cyclic garbage collector, whose full
     collections of this process (torch and vLLM imported) stop the client
     for 0.1 - 0.3 s, read as inter-token latency."""
-    before = os.sched_getaffinity(0)
+    before = os.sched_getaffinity(0) if front_cores else None
     if front_cores:
         os.sched_setaffinity(0, front_cores)
     gc.collect()
@@ -131,4 +133,5 @@ def measuring(front_cores: frozenset[int] | None) -> Iterator[None]:
         yield
     finally:
         gc.enable()
-        os.sched_setaffinity(0, before)
+        if before is not None:
+            os.sched_setaffinity(0, before)

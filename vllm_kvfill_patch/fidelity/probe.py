@@ -130,9 +130,10 @@ def placement() -> dict:
         name = Path("/proc/self/comm").read_text().strip()
     except OSError:
         name = Path(sys.argv[0]).name
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux
     return {
         "process": name,
-        "cores": sorted(os.sched_getaffinity(0)),
+        "cores": sorted(affinity(0)) if affinity else None,
         "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }
 
