@@ -280,11 +280,7 @@ class Run:
         )
 
     def place(self, server: Server) -> Placement | None:
-        if self.args.leave_cores:
-            return None
-        placement = server.place()
-        self.placements[server.name] = placement
-        return placement
+        return None if self.args.leave_cores else server.place()
 
     def warm_up(self, server: Server) -> str | None:
         """None once two requests were served; else why not."""
@@ -405,6 +401,7 @@ class Run:
             server.stop()
             self.decisions.setdefault(server.name, []).extend(server.decisions())
             self.kernels.setdefault(server.name, set()).update(server.kernels())
+            self.placements[server.name] = server.placement
             self.processes[server.name] = server.processes()
 
     def main(self) -> int:

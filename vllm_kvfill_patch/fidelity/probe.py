@@ -114,10 +114,11 @@ class Counters:
         saved_placement = None
         while True:
             time.sleep(FLUSH_SECONDS)
-            if not self.changed and placement() == saved_placement:
+            now = placement()
+            if not self.changed and now == saved_placement:
                 continue
             self.changed = False
-            saved_placement = placement()
+            saved_placement = now
             partial = self.path.with_suffix(".partial")
             partial.write_text(json.dumps(self.snapshot()))
             partial.replace(self.path)
