@@ -16,9 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.__main__ import (
     RESERVED_CPU_ENV,
     core_reservation_warning,
@@ -341,3 +343,52 @@ def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ours), str(theirs)])}
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
     assert marker.read_text() == "sitecustomize"
+
+
+COUNTING = """
+import os, sys, time
+from vllm_kvfill_patch.fidelity import probe
+probe.install()
+if os.fork() == 0:  # a child vLLM forks: it must not keep the FIFO open
+    time.sleep(120)
+    os._exit(0)
+while not probe._counters.path.exists():
+    time.sleep(0.01)
+probe._counters.fill_calls = 7
+print("counted", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
+    tmp_path,
+):
+    env = {**os.environ, probe.DIR_ENV: str(tmp_path)}
+    counting = subprocess.Popen(
+        [sys.executable, "-c", COUNTING], stdout=subprocess.PIPE, text=True,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert counting.stdout is not None
+        assert counting.stdout.readline() == "counted\n"
+        saved = tmp_path / f"{counting.pid}.json"
+        time.sleep(1)
+        # Saved at its start, not since: nothing is written while vLLM decodes.
+        at_start = json.loads(saved.read_text())
+        assert (at_start["answered"], at_start["fill_calls"]) == (0, 0)
+        probe.ask(tmp_path, 1)
+        answer = json.loads(saved.read_text())
+        assert (answer["answered"], answer["fill_calls"]) == (1, 7)
+        assert answer["placement"]["cores"] == sorted(
+            os.sched_getaffinity(counting.pid)
+        )
+        counting.kill()
+        counting.wait()
+        # Its forked child lives on, but has closed the FIFO: no reader.
+        asked = time.monotonic()
+        probe.ask(tmp_path, 2)
+        assert time.monotonic() - asked < 1
+        assert json.loads(saved.read_text())["answered"] == 1
+    finally:
+        os.killpg(counting.pid, signal.SIGKILL)
+        counting.wait()

@@ -64,6 +64,11 @@ MIN_PROMPTS = 16
 """Prompts a run has at least: at concurrency 1, 4 prompts of 64 tokens give
 252 inter-token latencies and a p99 that is their third largest, one
 hiccup of the machine; 16 give a thousand."""
+IDLE_SPIN_SECONDS = 1.0
+"""vLLM's engine core and worker spin-wait this long after their last
+message (`shm_broadcast`'s `busy_loop_s`): a run waits that long after the
+one before it, whose server would otherwise take cores from it. Runs back to
+back against two servers had stalls of 40 - 360 ms in their first second."""
 RERUNS = 2
 """A run whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
@@ -217,6 +222,7 @@ class Run:
         self.kernels: dict[str, set[str]] = {}
         self.placements: dict[str, Placement | None] = {}
         self.processes: dict[str, list[dict]] = {}
+        self.quiet_at = 0.0  # when the last run's server stops spinning
 
     def say(self, message: str) -> None:
         elapsed = time.monotonic() - self.started
@@ -290,6 +296,8 @@ class Run:
                             self.args.input_len, 4, 0, result, [])  # fmt: skip
         except RuntimeError as error:
             return str(error)
+        finally:
+            self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
         if figures["completed"] < figures["num_prompts"]:
             return first_error(server.log.read_text(errors="replace"))
         return None
@@ -309,13 +317,17 @@ class Run:
             try:
                 placement = self.place(server)
                 before = server.counters()
-                with measuring(placement.front_cores if placement else None):
-                    figures = bench(
-                        server, self.model, self.tokenizer, concurrency,
-                        self.prompts(concurrency),
-                        self.args.input_len, self.args.output_len, round_ + 1,
-                        result, shlex.split(self.args.bench_args),
-                    )  # fmt: skip
+                time.sleep(max(0.0, self.quiet_at - time.monotonic()))
+                try:
+                    with measuring(placement.front_cores if placement else None):
+                        figures = bench(
+                            server, self.model, self.tokenizer, concurrency,
+                            self.prompts(concurrency),
+                            self.args.input_len, self.args.output_len,
+                            round_ + 1, result, shlex.split(self.args.bench_args),
+                        )  # fmt: skip
+                finally:
+                    self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
                 after = server.counters()
             except (RuntimeError, OSError) as error:
                 # vllm bench serve failed, or the server is gone: the log says why.

