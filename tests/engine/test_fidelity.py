@@ -25,12 +25,13 @@ from vllm_kvfill_patch.fidelity.__main__ import (
     RESERVED_CPU_ENV,
     core_reservation_warning,
     parse,
+    prompts,
     rerun_reason,
 )
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES
-from vllm_kvfill_patch.fidelity.report import paired_ratio
+from vllm_kvfill_patch.fidelity.report import Cell, machine_moved, paired_ratio
 from vllm_kvfill_patch.fidelity.serve import SITE, Server, read_in_bursts
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
@@ -49,7 +50,6 @@ def run(tmp_path_factory) -> dict:
         sys.executable, "-m", "vllm_kvfill_patch.fidelity",
         "--concurrency", str(CONCURRENCY),
         "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
-        "--min-prompts", "0",
         "--output-len", str(OUTPUT), "--rounds", "1", "--count-subnormals",
         "--value-cycles", str(VALUE_CYCLES),
         "--preemption-blocks", "0",
@@ -293,6 +293,36 @@ def test_the_interval_against_the_ideal_holds_the_median_in_95_percent_of_runs()
     assert [three.low, three.high, three.confidence] == pytest.approx([-0.1, 0.3, 0.75])
     assert three.text(0) == "+10% [-10%, +30%] (75%)"
     assert paired_ratio([1.05], [1.0]).text(1) == "+5.0%"
+
+
+def test_main_runs_span_a_thousand_decode_steps_and_preemption_runs_four_waves():
+    default = parse([])
+    assert [prompts(default, "main", c) for c in (1, 8, 32)] == [16, 128, 512]
+    assert prompts(default, "preemption", 8) == 32
+    # Long outputs: four waves at least.
+    assert prompts(parse(["--output-len", "1024"]), "main", 8) == 32
+    assert prompts(parse(["--output-len", "251"]), "main", 1) == 4
+    given = parse(["--prompts-per-concurrency", "2"])
+    assert prompts(given, "main", 8) == prompts(given, "preemption", 8) == 16
+
+
+def test_a_run_whose_reference_moved_over_its_rounds_says_so_once_per_cell():
+    def cell(*tpots: float) -> Cell:
+        return Cell(runs=[{"median_tpot_ms": tpot} for tpot in tpots])
+
+    cells = {
+        ("main", "ideal", 1): cell(10.0, 10.4, 9.8),  # 6%: steady
+        ("main", "package", 8): cell(10.0, 20.0),  # not the reference
+        ("main", "ideal", 8): cell(10.0, 12.6, 10.1),  # 26%
+        ("main", "ideal", 32): cell(10.0),  # one round: no spread
+        ("preemption", "ideal", 8): cell(8.0, 16.0, 9.0),
+    }
+    assert machine_moved(cells) == [
+        f"warning: {case} C=8: the ideal's TPOT p50 spread {spread} over the "
+        "rounds; the machine's speed moved while it ran, which widens every "
+        "interval of that concurrency: run again when the machine is steady"
+        for case, spread in (("main", "26%"), ("preemption", "89%"))
+    ]
 
 
 def test_a_users_model_on_vllm_cpu_is_warned_once_that_the_connector_takes_a_core(

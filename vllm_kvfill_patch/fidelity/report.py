@@ -180,6 +180,28 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     return "\n".join(lines)
 
 
+MOVED = 0.25
+"""How far the ideal's TPOT p50 may spread over a cell's rounds before the
+run says the machine's speed moved: runs of a steady spell spread 4 - 15%,
+one in a spell whose speed moved twofold 70 - 111%."""
+
+
+def machine_moved(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
+    """A warning for each cell of the ideal whose TPOT p50 spread over the
+    rounds by more than `MOVED`: pairing by round cancels a slow drift, not
+    a machine whose speed moves within a round, and such a run's intervals
+    are wide."""
+    return [
+        f"warning: {case} C={concurrency}: the ideal's TPOT p50 spread "
+        f"{cell.spread('median_tpot_ms'):.0%} over the rounds; the machine's "
+        "speed moved while it ran, which widens every interval of that "
+        "concurrency: run again when the machine is steady"
+        for (case, mode, concurrency), cell in cells.items()
+        if mode == IDEAL and len(cell.runs) > 1
+        and cell.spread("median_tpot_ms") > MOVED
+    ]  # fmt: skip
+
+
 def picture(cells: dict[tuple[str, str, int], Cell], path: Path, title: str) -> str:
     """TPOT p50 and ITL p99 per mode against concurrency, as a PNG at `path`;
     what was drawn, or why not."""
