@@ -69,7 +69,9 @@ wave of requests ends and the next starts (with `--ignore-eos` the requests
 of a wave start and finish together), holding the whole wave at once. Four
 waves of 64 tokens (256 steps) put two or three such stalls in the top 1%,
 and the paired intervals of ITL p99 against the ideal were 30 - 70 points
-wide; sixteen waves put ten there, and the intervals were about ±4 points."""
+wide; sixteen waves put ten there, and the intervals were about ±4 points
+at C = 8 and 32 in a steady spell (±7 at C = 32 in a spell whose speed moved
+by a fifth)."""
 MIN_WAVES = 4
 """Prompts per concurrency at least, by default: the first wave starts all at
 once, later ones as the requests before them finish."""
