@@ -31,7 +31,7 @@ from vllm_kvfill_patch.fidelity.__main__ import (
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES
-from vllm_kvfill_patch.fidelity.report import Cell, machine_moved, paired_ratio
+from vllm_kvfill_patch.fidelity.report import Cell, paired_ratio, undecided
 from vllm_kvfill_patch.fidelity.serve import SITE, Server, read_in_bursts
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
@@ -306,23 +306,63 @@ def test_main_runs_span_a_thousand_decode_steps_and_preemption_runs_four_waves()
     assert prompts(given, "main", 8) == prompts(given, "preemption", 8) == 16
 
 
-def test_a_run_whose_reference_moved_over_its_rounds_says_so_once_per_cell():
-    def cell(*tpots: float) -> Cell:
-        return Cell(runs=[{"median_tpot_ms": tpot} for tpot in tpots])
+def test_a_run_that_cannot_place_a_mode_within_or_outside_the_bar_says_so():
+    ideal = Cell(
+        runs=[
+            {"round": r, "median_tpot_ms": 10.0, "p99_itl_ms": 20.0} for r in range(6)
+        ]
+    )
+    ideal.runs[3]["median_tpot_ms"] = 12.6  # spread 26%
 
+    def cell(*ratios: tuple[float, float]) -> Cell:
+        """Rounds whose TPOT p50 and ITL p99 are these times the ideal's."""
+        return Cell(
+            runs=[
+                {
+                    "round": r,
+                    "median_tpot_ms": ideal.runs[r]["median_tpot_ms"] * tpot,
+                    "p99_itl_ms": ideal.runs[r]["p99_itl_ms"] * itl,
+                }
+                for r, (tpot, itl) in enumerate(ratios)
+            ]
+        )
+
+    steady = [(1.0, 1.0)] * 6
     cells = {
-        ("main", "ideal", 1): cell(10.0, 10.4, 9.8),  # 6%: steady
-        ("main", "package", 8): cell(10.0, 20.0),  # not the reference
-        ("main", "ideal", 8): cell(10.0, 12.6, 10.1),  # 26%
-        ("main", "ideal", 32): cell(10.0),  # one round: no spread
-        ("preemption", "ideal", 8): cell(8.0, 16.0, 9.0),
+        # Inside both bars.
+        ("main", "ideal", 1): ideal,
+        ("main", "package", 1): cell((1.01, 0.96), (0.99, 1.04), *steady[2:]),
+        # TPOT p50 from -8% to +15%: undecided; ITL p99 within ±4%: inside.
+        ("main", "ideal", 8): ideal,
+        ("main", "package", 8): cell((0.92, 1.04), (1.15, 0.96), *steady[2:]),
+        # Wholly outside (re-prefills): a distortion, said by the table.
+        ("preemption", "ideal", 8): ideal,
+        ("preemption", "upstream", 8): cell(
+            (1.16, 3.8), (1.19, 4.6), *[(1.17, 4.0)] * 4
+        ),
+        # One round (real prefill) or none: no interval.
+        ("main", "prefill", 8): cell((1.5, 1.5)),
+        ("main", "upstream", 8): Cell(error="did not start"),
+        ("main", "package", 32): cell((1.1, 1.1), (0.9, 0.9)),  # no ideal
     }
-    assert machine_moved(cells) == [
-        f"warning: {case} C=8: the ideal's TPOT p50 spread {spread} over the "
-        "rounds; the machine's speed moved while it ran, which widens every "
-        "interval of that concurrency: run again when the machine is steady"
-        for case, spread in (("main", "26%"), ("preemption", "89%"))
+    assert undecided(cells) == [
+        "warning: these intervals against the ideal reach both sides of the bar "
+        "(TPOT p50 ±2%, ITL p99 ±5%), so this run cannot say whether those modes "
+        "are within it:",
+        "  main C=8 package: TPOT p50 -8.0% to +15.0% (the ideal's TPOT p50 "
+        "spread 26%)",
+        "run again when the machine is steady (the spreads say how far its speed "
+        "moved), or with more --rounds",
     ]
+    # Both figures undecided: one line names both.
+    cells[("main", "package", 8)].runs[0]["p99_itl_ms"] = 20 * 0.9
+    assert undecided(cells)[1] == (
+        "  main C=8 package: TPOT p50 -8.0% to +15.0%, ITL p99 -10.0% to +0.0% "
+        "(the ideal's TPOT p50 spread 26%)"
+    )
+    # Every interval inside or outside: nothing to say.
+    del cells[("main", "package", 8)]
+    assert undecided(cells) == []
 
 
 def test_a_users_model_on_vllm_cpu_is_warned_once_that_the_connector_takes_a_core(

@@ -36,7 +36,7 @@ from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.cores import Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
-from vllm_kvfill_patch.fidelity.report import Cell, machine_moved, picture, table
+from vllm_kvfill_patch.fidelity.report import Cell, picture, table, undecided
 from vllm_kvfill_patch.fidelity.serve import (
     COUNTS,
     Server,
@@ -451,8 +451,8 @@ class Run:
         text = table(self.cells)
         print(text)
         (self.output / "table.md").write_text(text + "\n")
-        for warning in machine_moved(self.cells):
-            print(warning)
+        for line in undecided(self.cells):
+            print(line)
         if values:
             print(values)
         model = self.args.model or "the embedded tiny hybrid MoE"

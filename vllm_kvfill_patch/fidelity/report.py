@@ -127,20 +127,26 @@ def paired_ratio(values: list[float], references: list[float]) -> PairedRatio:
     )
 
 
-def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
-    """The mode against the ideal, round by round (`paired_ratio`). Runs of
-    one round ran minutes apart at most, so a slow spell of the machine moves
-    both; the interval says what the median can be trusted to (a difference
-    inside it is noise, and more rounds narrow it)."""
+def paired_with_ideal(cell: Cell, ideal: Cell | None, key: str) -> PairedRatio | None:
+    """The mode against the ideal, round by round (`paired_ratio`), or None
+    where either did not run. Runs of one round ran minutes apart at most,
+    so a slow spell of the machine moves both; the interval says what the
+    median can be trusted to (a difference inside it is noise, and more
+    rounds narrow it)."""
     if ideal is None or ideal.error or not ideal.runs or not cell.runs:
-        return "-"
+        return None
     by_round = {run["round"]: run[key] for run in ideal.runs}
     paired = [run for run in cell.runs if by_round.get(run["round"])]
     if not paired:
-        return "-"
+        return None
     return paired_ratio(
         [run[key] for run in paired], [by_round[run["round"]] for run in paired]
-    ).text(1)
+    )
+
+
+def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
+    ratio = paired_with_ideal(cell, ideal, key)
+    return "-" if ratio is None else ratio.text(1)
 
 
 def table(cells: dict[tuple[str, str, int], Cell]) -> str:
@@ -180,26 +186,52 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
     return "\n".join(lines)
 
 
-MOVED = 0.25
-"""How far the ideal's TPOT p50 may spread over a cell's rounds before the
-run says the machine's speed moved: runs of a steady spell spread 4 - 15%,
-one in a spell whose speed moved twofold 70 - 111%."""
+BAR = {"median_tpot_ms": ("TPOT p50", 0.02), "p99_itl_ms": ("ITL p99", 0.05)}
+"""The differences from the ideal a run is meant to tell apart (the README's
+2% / 5% bar): the figure's name, and how far from the ideal still counts as
+equal."""
 
 
-def machine_moved(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
-    """A warning for each cell of the ideal whose TPOT p50 spread over the
-    rounds by more than `MOVED`: pairing by round cancels a slow drift, not
-    a machine whose speed moves within a round, and such a run's intervals
-    are wide."""
+def undecided(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
+    """A warning, as lines, naming each mode and concurrency whose interval
+    against the ideal reaches both inside and outside its `BAR`: that run
+    cannot say whether the mode is within the bar, whatever its median
+    reads; no lines where every interval is wholly inside or outside (a
+    distortion such as upstream's re-prefills). With each, the ideal's own
+    TPOT p50 spread: where the machine's speed moved during the run (pairing
+    by round cancels a slow drift, not a spell within a round), every
+    interval of that concurrency widens."""
+    lines = []
+    for (case, mode, concurrency), cell in cells.items():
+        ideal = cells.get((case, IDEAL, concurrency))
+        if mode == IDEAL or cell.error or ideal is None:
+            continue
+        figures = []
+        for key, (figure, bar) in BAR.items():
+            ratio = paired_with_ideal(cell, ideal, key)
+            if ratio is None or ratio.pairs == 1:
+                continue
+            if (
+                ratio.low < bar
+                and ratio.high > -bar
+                and (ratio.low < -bar or ratio.high > bar)
+            ):
+                figures.append(f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}")
+        if figures:
+            lines.append(
+                f"  {case} C={concurrency} {mode}: {', '.join(figures)} (the "
+                f"ideal's TPOT p50 spread {ideal.spread('median_tpot_ms'):.0%})"
+            )
+    if not lines:
+        return []
+    bars = ", ".join(f"{figure} ±{bar:.0%}" for figure, bar in BAR.values())
     return [
-        f"warning: {case} C={concurrency}: the ideal's TPOT p50 spread "
-        f"{cell.spread('median_tpot_ms'):.0%} over the rounds; the machine's "
-        "speed moved while it ran, which widens every interval of that "
-        "concurrency: run again when the machine is steady"
-        for (case, mode, concurrency), cell in cells.items()
-        if mode == IDEAL and len(cell.runs) > 1
-        and cell.spread("median_tpot_ms") > MOVED
-    ]  # fmt: skip
+        f"warning: these intervals against the ideal reach both sides of the bar "
+        f"({bars}), so this run cannot say whether those modes are within it:",
+        *lines,
+        "run again when the machine is steady (the spreads say how far its "
+        "speed moved), or with more --rounds",
+    ]
 
 
 def picture(cells: dict[tuple[str, str, int], Cell], path: Path, title: str) -> str:
