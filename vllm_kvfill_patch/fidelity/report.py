@@ -131,8 +131,10 @@ def paired_with_ideal(cell: Cell, ideal: Cell | None, key: str) -> PairedRatio |
     """The mode against the ideal, round by round (`paired_ratio`), or None
     where either did not run. Runs of one round ran minutes apart at most,
     so a slow spell of the machine moves both; the interval says what the
-    median can be trusted to (a difference inside it is noise, and more
-    rounds narrow it)."""
+    median can be trusted to within this run (a difference inside it is
+    noise, and more rounds narrow it). What the rounds share, it does not
+    see: the same servers serve every round, and two runs' intervals at
+    concurrency 1 have missed each other (docs/benchmark.md)."""
     if ideal is None or ideal.error or not ideal.runs or not cell.runs:
         return None
     by_round = {run["round"]: run[key] for run in ideal.runs}
