@@ -27,6 +27,8 @@ from vllm_kvfill_patch.fidelity.__main__ import (
     parse,
     prompts,
     rerun_reason,
+    server_sets,
+    takes_part,
 )
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
@@ -84,6 +86,9 @@ def test_each_process_logged_the_decision_its_mode_runs_under(run, mode):
     decisions = run["summary"]["decisions"][f"main-{mode}"]
     # API server, engine core and worker: each logs one line.
     assert decisions == [MODES[mode].decision] * 3
+    # One round, one start of each server, its log in a directory of its own.
+    servers = run["output"] / "servers"
+    assert sorted(p.name for p in servers.glob(f"main-{mode}-*")) == [f"main-{mode}-1"]
 
 
 def test_vllm_preempted_and_only_without_the_package_it_prefilled_again(run):
@@ -304,6 +309,25 @@ def test_main_runs_span_a_thousand_decode_steps_and_preemption_runs_four_waves()
     assert prompts(parse(["--output-len", "251"]), "main", 1) == 4
     given = parse(["--prompts-per-concurrency", "2"])
     assert prompts(given, "main", 8) == prompts(given, "preemption", 8) == 16
+
+
+def test_the_main_cases_servers_start_afresh_every_two_rounds_by_default():
+    def sets(argv: list[str], case: str = "main") -> list[list[int]]:
+        return [list(rounds) for rounds in server_sets(parse(argv), case)]
+
+    assert sets([]) == [[0, 1], [2, 3], [4, 5]]
+    # The preemption case's figure, the tokens prefilled again, needs one start.
+    assert sets([], "preemption") == [[0, 1, 2, 3, 4, 5]]
+    assert sets(["--rounds", "5"]) == [[0, 1], [2, 3], [4]]
+    assert sets(["--rounds", "1"]) == [[0]]
+    assert sets(["--rounds-per-server", "0"]) == [[0, 1, 2, 3, 4, 5]]
+    assert sets(["--rounds", "3", "--rounds-per-server", "1"]) == [[0], [1], [2]]
+    # Real prefill runs its first round only: later starts leave it out.
+    default = parse([])
+    assert [takes_part(default, MODES["prefill"], r) for r in range(3)] == [
+        True, False, False,
+    ]  # fmt: skip
+    assert all(takes_part(default, MODES["ideal"], r) for r in range(6))
 
 
 def test_a_run_that_cannot_place_a_mode_within_or_outside_the_bar_says_so():

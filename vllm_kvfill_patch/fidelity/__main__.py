@@ -8,9 +8,10 @@ this package; a fill that writes nothing, the ideal) a fresh ``vllm serve``;
 against each, vLLM's own ``vllm bench serve`` (random dataset, fixed input and
 output lengths, ``--ignore-eos``) at each concurrency, the modes' runs taken in
 turn, round after round, so that a slow spell of the machine falls on all of
-them. Prints one table (medians over the rounds, each mode against the ideal,
-the fill's time per step inside vLLM's worker),
-keeps vLLM's result files and draws TPOT and ITL p99 against concurrency.
+them; the servers start afresh every two rounds. Prints one table (medians
+over the rounds, each mode against the ideal, the fill's time per step inside
+vLLM's worker), keeps vLLM's result files and draws TPOT and ITL p99 against
+concurrency.
 A preemption case runs the connector modes again on a KV cache small enough
 that vLLM preempts. Last, for the embedded model, ``fidelity.values`` times
 decode steps on the fill's values against real prefill's, step by step in one
@@ -80,6 +81,16 @@ IDLE_SPIN_SECONDS = 1.0
 message (`shm_broadcast`'s `busy_loop_s`): a run waits that long after the
 one before it, whose server would otherwise take cores from it. Runs back to
 back against two servers had stalls of 40 - 360 ms in their first second."""
+ROUNDS_PER_SERVER = 2
+"""Rounds of the main case one start of the servers serves, by default
+(`server_sets`). Rounds that all share one start of each server carry
+whatever sets that start apart (where its memory lies, what the ideal's
+never-written state rows hold) into every pair with the ideal, where the
+interval cannot see it; two runs' intervals at concurrency 1 missed each
+other, and two servers of the same mode up at once read 10% and 14% apart
+over six rounds in a noisy spell. Started afresh every two rounds, such a
+difference falls between rounds, into the interval, at about two minutes a
+start on two cores."""
 RERUNS = 2
 """A run whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
@@ -122,6 +133,25 @@ def prompts(args: argparse.Namespace, case: str, concurrency: int) -> int:
             steps = max(1, args.output_len - 1)
             per_concurrency = max(MIN_WAVES, math.ceil(STEPS_PER_RUN / steps))
     return per_concurrency * concurrency
+
+
+def server_sets(args: argparse.Namespace, case: str) -> list[range]:
+    """The rounds each start of the servers serves, in turn. The main case's
+    servers start afresh every `--rounds-per-server` rounds (its figures are
+    held to the ideal's); the preemption case's serve all its rounds (the
+    tokens it prefills again do not move with the server's start)."""
+    per_server = args.rounds_per_server if case == "main" else 0
+    step = per_server or args.rounds
+    return [
+        range(first, min(first + step, args.rounds))
+        for first in range(0, args.rounds, step)
+    ]
+
+
+def takes_part(args: argparse.Namespace, mode: Mode, round_: int) -> bool:
+    """Real prefill, the slow reference, runs its first `--prefill-rounds`
+    rounds only; every other mode runs every round."""
+    return mode.connector is not None or round_ < args.prefill_rounds
 
 
 def core_reservation_warning(args: argparse.Namespace) -> str | None:
@@ -188,6 +218,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--servers", choices=("together", "one-at-a-time"),
         help="keep every mode's server up at once (default for the embedded "
         "model) or start each in turn, every round (a model that fills a GPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds-per-server", type=int, default=ROUNDS_PER_SERVER,
+        help="with --servers together, the main case's rounds one start of "
+        "the servers serves before every mode's server starts afresh "
+        f"(default {ROUNDS_PER_SERVER}; 0: one start for all rounds)",
     )  # fmt: skip
     parser.add_argument(
         "--count-subnormals", action="store_true",
@@ -265,7 +301,11 @@ class Run:
             ))  # fmt: skip
         return found
 
-    def server(self, case: str, mode: Mode, extra: list[str], decode: int) -> Server:
+    def server(
+        self, case: str, mode: Mode, extra: list[str], decode: int, instance: int
+    ) -> Server:
+        """A mode's server in a case at its `instance`th start (0 first): one
+        name for every start, a directory for each."""
         return Server(
             f"{case}-{mode.name}",
             [*self.serve_arguments, *extra, *mode.serve_arguments(self.fill_config)],
@@ -275,7 +315,7 @@ class Run:
                 probe.DECODE_TOKENS_ENV: str(decode),
                 probe.SUBNORMALS_ENV: "1" if self.args.count_subnormals else "0",
             },
-            self.output / "servers" / f"{case}-{mode.name}",
+            self.output / "servers" / f"{case}-{mode.name}-{instance + 1}",
         )
 
     def start(self, servers: dict[str, Server], case: str) -> dict[str, Server]:
@@ -325,7 +365,7 @@ class Run:
         cell = self.cells.setdefault((case, mode.name, concurrency), Cell())
         if cell.error is not None:
             return
-        if mode.connector is None and round_ >= self.args.prefill_rounds:
+        if not takes_part(self.args, mode, round_):
             return
         name = f"{case}-{mode.name}-c{concurrency}-r{round_}.json"
         result = self.output / "results" / name
@@ -392,38 +432,49 @@ class Run:
     ) -> None:
         self.concurrencies[case] = concurrencies
         decode = max(concurrencies)
-        rounds = self.args.rounds
-        if self.together:
-            servers = {m.name: self.server(case, m, extra, decode) for m in modes}
-            try:
-                running = self.start(servers, case)
-                for round_ in range(rounds):
-                    for concurrency in concurrencies:
-                        # Rotated each round: no mode always runs first.
-                        shift = round_ % len(modes)
-                        for mode in modes[shift:] + modes[:shift]:
-                            if mode.name in running:
-                                self.measure(
-                                    case, mode, running[mode.name], concurrency, round_
-                                )
-            finally:
-                self.stop(servers)
+        if not self.together:
+            for round_ in range(self.args.rounds):
+                for mode in rotated(modes, round_):
+                    if takes_part(self.args, mode, round_):
+                        self.serve(case, [mode], [round_], extra, decode, round_)
             return
-        for round_ in range(rounds):
-            shift = round_ % len(modes)
-            for mode in modes[shift:] + modes[:shift]:
-                if mode.connector is None and round_ >= self.args.prefill_rounds:
-                    continue
-                servers = {mode.name: self.server(case, mode, extra, decode)}
-                try:
-                    running = self.start(servers, case)
-                    for concurrency in concurrencies:
+        sets = server_sets(self.args, case)
+        for instance, rounds in enumerate(sets):
+            taking_part = [
+                mode
+                for mode in modes
+                if any(takes_part(self.args, mode, r) for r in rounds)
+            ]
+            if instance:
+                self.say(
+                    f"{case}: servers started afresh ({instance + 1} of "
+                    f"{len(sets)}) for rounds {rounds.start + 1} - {rounds.stop}"
+                )
+            self.serve(case, taking_part, rounds, extra, decode, instance)
+
+    def serve(
+        self,
+        case: str,
+        modes: list[Mode],
+        rounds: range | list[int],
+        extra: list[str],
+        decode: int,
+        instance: int,
+    ) -> None:
+        """Starts the modes' servers together and measures each round's runs
+        against them, the modes in turn, then stops them."""
+        servers = {m.name: self.server(case, m, extra, decode, instance) for m in modes}
+        try:
+            running = self.start(servers, case)
+            for round_ in rounds:
+                for concurrency in self.concurrencies[case]:
+                    for mode in rotated(modes, round_):
                         if mode.name in running:
                             self.measure(
                                 case, mode, running[mode.name], concurrency, round_
                             )
-                finally:
-                    self.stop(servers)
+        finally:
+            self.stop(servers)
 
     def stop(self, servers: dict[str, Server]) -> None:
         for server in servers.values():
@@ -431,7 +482,7 @@ class Run:
             self.decisions.setdefault(server.name, []).extend(server.decisions())
             self.kernels.setdefault(server.name, set()).update(server.kernels())
             self.placements[server.name] = server.placement
-            self.processes[server.name] = server.processes()
+            self.processes.setdefault(server.name, []).extend(server.processes())
 
     def main(self) -> int:
         self.concurrencies: dict[str, list[int]] = {}
@@ -537,6 +588,13 @@ def machine() -> str:
     usable = getattr(os, "sched_getaffinity", None)
     cores = len(usable(0)) if usable else os.cpu_count()
     return f"{name}, {cores} cores"
+
+
+def rotated(modes: list[Mode], round_: int) -> list[Mode]:
+    """The modes in the order they run in a round: rotated each round, so
+    that no mode always runs first."""
+    shift = round_ % len(modes)
+    return modes[shift:] + modes[:shift]
 
 
 def cell_order(item: tuple[tuple[str, str, int], Cell]) -> tuple:

@@ -133,8 +133,10 @@ def paired_with_ideal(cell: Cell, ideal: Cell | None, key: str) -> PairedRatio |
     so a slow spell of the machine moves both; the interval says what the
     median can be trusted to within this run (a difference inside it is
     noise, and more rounds narrow it). What the rounds share, it does not
-    see: the same servers serve every round, and two runs' intervals at
-    concurrency 1 have missed each other (docs/benchmark.md)."""
+    see: the main case starts its servers afresh every two rounds
+    (`ROUNDS_PER_SERVER`) so that what sets one start apart falls between
+    rounds; before that, two runs' intervals at concurrency 1 missed each
+    other (docs/benchmark.md)."""
     if ideal is None or ideal.error or not ideal.runs or not cell.runs:
         return None
     by_round = {run["round"]: run[key] for run in ideal.runs}
