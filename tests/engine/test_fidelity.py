@@ -86,6 +86,8 @@ def test_each_process_logged_the_decision_its_mode_runs_under(run, mode):
     decisions = run["summary"]["decisions"][f"main-{mode}"]
     # API server, engine core and worker: each logs one line.
     assert decisions == [MODES[mode].decision] * 3
+    said = f"main-{mode}: this package's decision lines: {MODES[mode].decision} "
+    assert said + "(3 processes)" in run["stdout"]
     # One round, one start of each server, its log in a directory of its own.
     servers = run["output"] / "servers"
     assert sorted(p.name for p in servers.glob(f"main-{mode}-*")) == [f"main-{mode}-1"]

@@ -21,6 +21,7 @@ engine. vLLM's processes get this package through its plugin entry point only.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -514,7 +515,12 @@ class Run:
         drawn = picture(self.cells, self.output / "decode.png", title)
         print(f"picture: {drawn}")
         for server, decisions in self.decisions.items():
-            print(f"{server}: this package's decision lines: {decisions or 'none'}")
+            # One line a process, and a server starts afresh every two rounds.
+            said = ", ".join(
+                f"{decision} ({count} processes)"
+                for decision, count in collections.Counter(decisions).items()
+            )
+            print(f"{server}: this package's decision lines: {said or 'none'}")
         loaded = sorted(set().union(*self.kernels.values()))
         print(f"vLLM's kernel libraries: {', '.join(loaded) or 'none seen'}")
         summary = {
