@@ -437,7 +437,8 @@ class Run:
             for round_ in range(self.args.rounds):
                 for mode in rotated(modes, round_):
                     if takes_part(self.args, mode, round_):
-                        self.serve(case, [mode], [round_], extra, decode, round_)
+                        rounds = range(round_, round_ + 1)
+                        self.serve(case, [mode], rounds, extra, decode, round_)
             return
         sets = server_sets(self.args, case)
         for instance, rounds in enumerate(sets):
@@ -457,7 +458,7 @@ class Run:
         self,
         case: str,
         modes: list[Mode],
-        rounds: range | list[int],
+        rounds: range,
         extra: list[str],
         decode: int,
         instance: int,
