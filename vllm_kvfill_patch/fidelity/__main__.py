@@ -90,8 +90,8 @@ never-written state rows hold) into every pair with the ideal, where the
 interval cannot see it; two runs' intervals at concurrency 1 missed each
 other, and two servers of the same mode up at once read 10% and 14% apart
 over six rounds in a noisy spell. Started afresh every two rounds, such a
-difference falls between rounds, into the interval, at about two minutes a
-start on two cores."""
+difference falls between rounds, into the interval, at about 75 s a start
+of three servers on two cores."""
 RERUNS = 2
 """A run whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,

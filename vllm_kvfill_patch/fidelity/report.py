@@ -132,11 +132,11 @@ def paired_with_ideal(cell: Cell, ideal: Cell | None, key: str) -> PairedRatio |
     where either did not run. Runs of one round ran minutes apart at most,
     so a slow spell of the machine moves both; the interval says what the
     median can be trusted to within this run (a difference inside it is
-    noise, and more rounds narrow it). What the rounds share, it does not
-    see: the main case starts its servers afresh every two rounds
-    (`ROUNDS_PER_SERVER`) so that what sets one start apart falls between
-    rounds; before that, two runs' intervals at concurrency 1 missed each
-    other (docs/benchmark.md)."""
+    noise, and more rounds narrow it). What all the rounds share, the run's
+    spell of the machine, it does not see. What sets one start of a server
+    apart it sees since the main case's servers start afresh every two rounds
+    (`ROUNDS_PER_SERVER`); with one start a run, two runs' intervals at
+    concurrency 1 missed each other (docs/benchmark.md)."""
     if ideal is None or ideal.error or not ideal.runs or not cell.runs:
         return None
     by_round = {run["round"]: run[key] for run in ideal.runs}
