@@ -24,6 +24,7 @@ from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.__main__ import (
     RESERVED_CPU_ENV,
     core_reservation_warning,
+    leg_prompts,
     parse,
     prompts,
     rerun_reason,
@@ -34,9 +35,11 @@ from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measur
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES
 from vllm_kvfill_patch.fidelity.report import Cell, paired_ratio, undecided
-from vllm_kvfill_patch.fidelity.serve import SITE, Server, read_in_bursts
+from vllm_kvfill_patch.fidelity.serve import SITE, Server, combined, read_in_bursts
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
+LEGS = 2
+"""The default's legs, as many as a run of two waves has."""
 VALUE_CYCLES = 3
 PREEMPTING_BLOCKS = 24
 """The embedded model's KV blocks that hold three of these requests (each
@@ -75,10 +78,61 @@ def test_every_mode_completed_every_request_with_its_output(run, mode):
     assert figures["completed"] == figures["num_prompts"] == PROMPTS
     assert figures["failed"] == 0
     assert figures["total_output_tokens"] == PROMPTS * OUTPUT
-    result = run["output"] / "results" / f"main-{mode}-c{CONCURRENCY}-r0.json"
-    assert json.loads(result.read_text())["completed"] == PROMPTS
+    # Taken in two legs of a wave each: vLLM's result file for each.
+    assert figures["legs"] == LEGS
+    for result in leg_results(run, mode):
+        assert result["completed"] == result["num_prompts"] == PROMPTS // LEGS
     # The probe saw the model route decode tokens to its experts.
     assert figures["expert_forwards"] > 0
+
+
+def leg_results(run: dict, mode: str) -> list[dict]:
+    results = run["output"] / "results"
+    return [
+        json.loads((results / f"main-{mode}-c{CONCURRENCY}-r0-l{leg}.json").read_text())
+        for leg in range(LEGS)
+    ]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_modes_figures_are_vllms_own_over_the_requests_of_its_legs(run, mode):
+    legs = leg_results(run, mode)
+    # For one leg, the tool's formulas give back vLLM's own figures exactly.
+    for result in legs:
+        again = combined([result])
+        for key, value in result.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert again[key] == pytest.approx(value, rel=1e-12), key
+    # Over the legs, the round's figures are vLLM's over all their requests.
+    (figures,) = run[mode]["runs"]
+    tpots = sorted(
+        (latency - ttft) / (length - 1)
+        for result in legs
+        for latency, ttft, length in zip(
+            result["latencies"], result["ttfts"], result["output_lens"], strict=True
+        )
+    )
+    middle = (tpots[PROMPTS // 2 - 1] + tpots[PROMPTS // 2]) / 2
+    assert figures["median_tpot_ms"] == pytest.approx(middle * 1000, rel=1e-12)
+    itls = [itl for result in legs for request in result["itls"] for itl in request]
+    assert figures["p99_itl_ms"] <= max(itls) * 1000
+    assert figures["p99_itl_ms"] >= sorted(itls)[-len(itls) // 50] * 1000
+    assert figures["duration"] == pytest.approx(sum(r["duration"] for r in legs))
+    assert figures["request_throughput"] == pytest.approx(PROMPTS / figures["duration"])
+
+
+def test_the_modes_took_turns_leg_by_leg(run):
+    # Every mode's first leg ran before any mode's second.
+    started = sorted(
+        (min(result["start_times"]), leg, mode)
+        for mode in MODES
+        for leg, result in enumerate(leg_results(run, mode))
+    )
+    assert [leg for _, leg, _ in started] == [0] * len(MODES) + [1] * len(MODES)
+    # Rotated: the mode that went first in the first leg went last in the second.
+    firsts = [mode for _, leg, mode in started if leg == 0]
+    seconds = [mode for _, leg, mode in started if leg == 1]
+    assert seconds == firsts[1:] + firsts[:1]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -163,13 +217,14 @@ def test_the_table_has_a_row_per_mode_and_the_picture_is_drawn(run):
 
 def test_a_run_read_in_bursts_or_with_lost_requests_is_taken_again(run):
     # vLLM's client saved each request's timings: the tool reads them there.
-    path = run["output"] / "results" / f"main-package-c{CONCURRENCY}-r0.json"
-    result = json.loads(path.read_text())
-    assert [len(itls) for itls in result["itls"]] == [OUTPUT - 1] * PROMPTS
+    legs = leg_results(run, "package")
+    for result in legs:
+        assert [len(i) for i in result["itls"]] == [OUTPUT - 1] * (PROMPTS // LEGS)
     (figures,) = run["package"]["runs"]
-    assert figures["read_in_bursts"] == read_in_bursts(result)
+    assert figures["read_in_bursts"] == sum(map(read_in_bursts, legs))
     assert "itls" not in figures  # they stay in vLLM's file
-    streamed = {**result, "itls": [[0.01] * (OUTPUT - 1)] * PROMPTS}
+    result, per_leg = legs[0], PROMPTS // LEGS
+    streamed = {**result, "itls": [[0.01] * (OUTPUT - 1)] * per_leg}
     assert read_in_bursts(streamed) == 0
     assert rerun_reason(streamed) is None
     # A client kept off the CPU reads a whole output at once: ITLs of 0.
@@ -179,13 +234,13 @@ def test_a_run_read_in_bursts_or_with_lost_requests_is_taken_again(run):
     assert reason is not None and "read 1 requests' tokens in bursts" in reason
     # Two chunks read at once now and then is still a stream.
     half = (OUTPUT - 1) // 2
-    some = [[0.0] * half + [0.01] * (OUTPUT - 1 - half)] * PROMPTS
+    some = [[0.0] * half + [0.01] * (OUTPUT - 1 - half)] * per_leg
     assert read_in_bursts({**result, "itls": some}) == 0
     # A connection the server closed while the client was away: its error.
     lost = "Traceback (most recent call last):\n  ...\nServerDisconnectedError: gone\n"
-    failed = {**streamed, "completed": PROMPTS - 1, "errors": ["", lost]}
+    failed = {**streamed, "completed": per_leg - 1, "errors": ["", lost]}
     assert rerun_reason(failed) == (
-        f"1 of {PROMPTS} requests failed: ServerDisconnectedError: gone"
+        f"1 of {per_leg} requests failed: ServerDisconnectedError: gone"
     )
 
 
@@ -311,6 +366,16 @@ def test_main_runs_span_a_thousand_decode_steps_and_preemption_runs_four_waves()
     assert prompts(parse(["--output-len", "251"]), "main", 1) == 4
     given = parse(["--prompts-per-concurrency", "2"])
     assert prompts(given, "main", 8) == prompts(given, "preemption", 8) == 16
+
+
+def test_a_main_run_is_taken_in_four_legs_of_whole_waves_and_preemption_in_one():
+    default = parse([])
+    assert [leg_prompts(default, "main", c) for c in (1, 8)] == [[4] * 4, [32] * 4]
+    assert leg_prompts(default, "preemption", 8) == [32]
+    given = parse(["--prompts-per-concurrency", "5"])
+    assert leg_prompts(given, "main", 2) == [4, 2, 2, 2]
+    assert leg_prompts(parse(["--prompts-per-concurrency", "2"]), "main", 4) == [4, 4]
+    assert leg_prompts(parse(["--legs", "1"]), "main", 8) == [128]
 
 
 def test_the_main_cases_servers_start_afresh_every_two_rounds_by_default():

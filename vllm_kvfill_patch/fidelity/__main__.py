@@ -6,9 +6,10 @@
 For each mode (``modes.MODES``: real prefill; the connector as released; with
 this package; a fill that writes nothing, the ideal) a fresh ``vllm serve``;
 against each, vLLM's own ``vllm bench serve`` (random dataset, fixed input and
-output lengths, ``--ignore-eos``) at each concurrency, the modes' runs taken in
-turn, round after round, so that a slow spell of the machine falls on all of
-them; the servers start afresh every two rounds. Prints one table (medians
+output lengths, ``--ignore-eos``) at each concurrency, round after round, each
+mode's run taken in four legs with the modes in turn leg by leg, so that a
+slow spell of the machine falls on all of them; the servers start afresh
+every two rounds. Prints one table (medians
 over the rounds, each mode against the ideal, the fill's time per step inside
 vLLM's worker), keeps vLLM's result files and draws TPOT and ITL p99 against
 concurrency.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -44,6 +46,7 @@ from vllm_kvfill_patch.fidelity.serve import (
     Server,
     bench,
     client_error,
+    combined,
     first_error,
     logged_exception,
     read_in_bursts,
@@ -92,6 +95,16 @@ other, and two servers of the same mode up at once read 10% and 14% apart
 over six rounds in a noisy spell. Started afresh every two rounds, such a
 difference falls between rounds, into the interval, at about 75 s a start
 of three servers on two cores."""
+LEGS = 4
+"""Legs a run of the main case is taken in, by default (`leg_prompts`): the
+modes take turns leg by leg, a few seconds each, instead of run by run. On
+this 2-core VM the machine's speed moves in spells of a few seconds (one
+server's requests at concurrency 1, one run of 128: TPOT correlated 0.44
+four requests apart, 0.35 at eight, 0.11 at sixteen), so runs of 8 - 15 s
+taken one after the other catch different spells. Ten rounds each, in a
+noisy spell, at concurrency 1: the package's TPOT p50 against the ideal's
+moved 13.6% (sd) from round to round taken in whole runs, 9.1% in four legs,
+for a third more time (a pause of `IDLE_SPIN_SECONDS` before each leg)."""
 RERUNS = 2
 """A run whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
@@ -134,6 +147,16 @@ def prompts(args: argparse.Namespace, case: str, concurrency: int) -> int:
             steps = max(1, args.output_len - 1)
             per_concurrency = max(MIN_WAVES, math.ceil(STEPS_PER_RUN / steps))
     return per_concurrency * concurrency
+
+
+def leg_prompts(args: argparse.Namespace, case: str, concurrency: int) -> list[int]:
+    """The prompts of each leg a run is taken in: whole waves, `--legs` legs
+    in the main case (fewer where a run has fewer waves), one in the
+    preemption case (the tokens it prefills again need no more)."""
+    waves = prompts(args, case, concurrency) // concurrency
+    count = max(1, min(args.legs, waves)) if case == "main" else 1
+    share, more = divmod(waves, count)
+    return [(share + (leg < more)) * concurrency for leg in range(count)]
 
 
 def server_sets(args: argparse.Namespace, case: str) -> list[range]:
@@ -196,6 +219,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=6,
         help="runs per cell (six is the fewest whose interval reaches 95%%)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--legs", type=int, default=LEGS,
+        help="parts each run of the main case is taken in, the modes in turn "
+        f"part by part (default {LEGS})",
     )  # fmt: skip
     parser.add_argument(
         "--modes", nargs="+", choices=list(MODES), default=list(MODES),
@@ -361,15 +389,62 @@ class Run:
         return None
 
     def measure(
-        self, case: str, mode: Mode, server: Server, concurrency: int, round_: int
+        self,
+        case: str,
+        modes: list[Mode],
+        running: dict[str, Server],
+        concurrency: int,
+        round_: int,
     ) -> None:
-        cell = self.cells.setdefault((case, mode.name, concurrency), Cell())
-        if cell.error is not None:
-            return
-        if not takes_part(self.args, mode, round_):
-            return
-        name = f"{case}-{mode.name}-c{concurrency}-r{round_}.json"
-        result = self.output / "results" / name
+        """A round's runs at one concurrency, a run per mode, each taken in
+        legs (`leg_prompts`) with the modes in turn leg by leg, rotated each
+        leg; a mode's figures are vLLM's over its legs' requests
+        (`combined`). Every mode's leg gets the same prompts."""
+        taking = []
+        for mode in modes:
+            cell = self.cells.setdefault((case, mode.name, concurrency), Cell())
+            if cell.error is None and takes_part(self.args, mode, round_):
+                taking.append(mode)
+        sizes = leg_prompts(self.args, case, concurrency)
+        if len(taking) == 1:  # no mode to take turns with (--servers one-at-a-time)
+            sizes = [sum(sizes)]
+        legs: dict[str, list[dict]] = {mode.name: [] for mode in taking}
+        for leg, size in enumerate(sizes):
+            part = f"-l{leg}" if len(sizes) > 1 else ""
+            for mode in rotated(taking, leg):
+                if self.cells[(case, mode.name, concurrency)].error is None:
+                    name = f"{case}-{mode.name}-c{concurrency}-r{round_}{part}"
+                    seed = round_ + 1 + 1000 * leg
+                    figures = self.take(
+                        case, mode, running[mode.name], concurrency, size, seed, name
+                    )
+                    if figures is not None:
+                        legs[mode.name].append(figures)
+        for mode in taking:
+            cell = self.cells[(case, mode.name, concurrency)]
+            if cell.error is None:
+                self.record(
+                    cell,
+                    f"{case}: {mode.name} C={concurrency}",
+                    round_,
+                    legs[mode.name],
+                )
+
+    def take(
+        self,
+        case: str,
+        mode: Mode,
+        server: Server,
+        concurrency: int,
+        count: int,
+        seed: int,
+        name: str,
+    ) -> dict | None:
+        """One run of `vllm bench serve` (a leg), taken again while its
+        figures are not the server's (`rerun_reason`): vLLM's result, with
+        the probe's counters over it; None where the cell now says why not."""
+        cell = self.cells[(case, mode.name, concurrency)]
+        result = self.output / "results" / f"{name}.json"
         result.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(RERUNS + 1):
             try:
@@ -380,9 +455,8 @@ class Run:
                     with measuring(placement.front_cores if placement else None):
                         figures = bench(
                             server, self.model, self.tokenizer, concurrency,
-                            prompts(self.args, case, concurrency),
-                            self.args.input_len, self.args.output_len,
-                            round_ + 1, result, shlex.split(self.args.bench_args),
+                            count, self.args.input_len, self.args.output_len,
+                            seed, result, shlex.split(self.args.bench_args),
                         )  # fmt: skip
                 finally:
                     self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
@@ -392,14 +466,11 @@ class Run:
                 log = server.log.read_text(errors="replace")
                 cell.error = f"{error}; the server's log: {first_error(log)}"
                 self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
-                return
+                return None
             why = rerun_reason(figures)
             if why is None or attempt == RERUNS or not server.alive():
                 break
-            self.say(
-                f"{case}: {mode.name} C={concurrency} round {round_ + 1}: {why}; "
-                "taken again"
-            )
+            self.say(f"{name}: {why}; taken again")
             for taken in (result, result.with_suffix(".log")):
                 taken.rename(
                     taken.with_name(f"{taken.stem}.rejected{attempt}{taken.suffix}")
@@ -411,17 +482,25 @@ class Run:
                 failure += f"; the server logged: {logged}"
             cell.error = failure
             self.say(f"{case}: {mode.name} C={concurrency}: {cell.error}")
-            return
-        bursts = read_in_bursts(figures)
-        figures = {k: v for k, v in figures.items() if not isinstance(v, list)}
+            return None
         for key in (*COUNTS, "preemptions"):
             figures[key] = probe.counted(after[key], before[key], -1)
-        figures.update(round=round_, reruns=attempt, read_in_bursts=bursts)
+        figures.update(reruns=attempt, read_in_bursts=read_in_bursts(figures))
+        return figures
+
+    def record(self, cell: Cell, label: str, round_: int, legs: list[dict]) -> None:
+        """A round's figures of a cell, over its legs; said as a progress line."""
+        figures = combined(legs)
+        for key in (*COUNTS, "preemptions", "reruns", "read_in_bursts"):
+            figures[key] = functools.reduce(probe.counted, (leg[key] for leg in legs))
+        figures.update(round=round_, legs=len(legs))
         cell.runs.append(figures)
+        bursts = figures["read_in_bursts"]
         self.say(
-            f"{case}: {mode.name} C={concurrency} round {round_ + 1}: "
-            f"{figures['completed']}/{figures['num_prompts']} requests, "
-            f"TPOT p50 {figures['median_tpot_ms']:.1f} ms, "
+            f"{label} round {round_ + 1}: "
+            f"{figures['completed']}/{figures['num_prompts']} requests"
+            + (f" in {len(legs)} legs" if len(legs) > 1 else "")
+            + f", TPOT p50 {figures['median_tpot_ms']:.1f} ms, "
             f"ITL p99 {figures['p99_itl_ms']:.1f} ms, "
             f"{figures['preemptions']:.0f} preempted, "
             f"{figures['reprefilled_tokens']} tokens re-prefilled"
@@ -468,13 +547,12 @@ class Run:
         servers = {m.name: self.server(case, m, extra, decode, instance) for m in modes}
         try:
             running = self.start(servers, case)
+            in_turn = [mode for mode in modes if mode.name in running]
             for round_ in rounds:
                 for concurrency in self.concurrencies[case]:
-                    for mode in rotated(modes, round_):
-                        if mode.name in running:
-                            self.measure(
-                                case, mode, running[mode.name], concurrency, round_
-                            )
+                    self.measure(
+                        case, rotated(in_turn, round_), running, concurrency, round_
+                    )
         finally:
             self.stop(servers)
 

@@ -301,3 +301,53 @@ def bench(
                 f"vllm bench serve failed: {type(error).__name__}: {error}"
             ) from error
     return json.loads(result.read_text())
+
+
+PERCENTILE_KEY = re.compile(r"p(\d+(?:\.\d+)?)_(ttft|tpot|itl)_ms")
+"""How vLLM's result names a percentile of a metric: `p99_itl_ms`."""
+
+
+def combined(results: list[dict]) -> dict:
+    """The figures of runs of `vllm bench serve` (saved with
+    `--save-detailed`, every request completed) taken as one run: vLLM's
+    own formulas (`calculate_metrics` in vllm/benchmarks/serve.py) over all
+    their requests, their durations added; the lists stay in vLLM's files.
+    For one run, its own figures again (to float rounding)."""
+    import numpy as np
+
+    figures = {k: v for k, v in results[0].items() if not isinstance(v, list)}
+    for key in (
+        "num_prompts", "completed", "failed", "duration",
+        "total_input_tokens", "total_output_tokens",
+    ):  # fmt: skip
+        figures[key] = sum(result[key] for result in results)
+    for key in ("max_output_tokens_per_s", "max_concurrent_requests"):
+        figures[key] = max(result[key] for result in results)
+    duration = figures["duration"]
+    tokens = figures["total_input_tokens"] + figures["total_output_tokens"]
+    figures.update(
+        request_throughput=figures["completed"] / duration,
+        output_throughput=figures["total_output_tokens"] / duration,
+        total_token_throughput=tokens / duration,
+    )
+    seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
+    for result in results:
+        for ttft, latency, length, itls in zip(
+            result["ttfts"], result["latencies"], result["output_lens"],
+            result["itls"], strict=True,
+        ):  # fmt: skip
+            seconds["ttft"].append(ttft)
+            seconds["itl"] += itls
+            if length > 1:
+                seconds["tpot"].append((latency - ttft) / (length - 1))
+    for metric, values in seconds.items():
+        taken = values or [0.0]
+        figures[f"mean_{metric}_ms"] = float(np.mean(taken)) * 1000
+        figures[f"median_{metric}_ms"] = float(np.median(taken)) * 1000
+        figures[f"std_{metric}_ms"] = float(np.std(taken)) * 1000
+    for key in list(figures):
+        if match := PERCENTILE_KEY.fullmatch(key):
+            percentile, metric = float(match[1]), match[2]
+            taken = seconds[metric] or [0.0]
+            figures[key] = float(np.percentile(taken, percentile)) * 1000
+    return figures
