@@ -101,10 +101,12 @@ modes take turns leg by leg, a few seconds each, instead of run by run. On
 this 2-core VM the machine's speed moves in spells of a few seconds (one
 server's requests at concurrency 1, one run of 128: TPOT correlated 0.44
 four requests apart, 0.35 at eight, 0.11 at sixteen), so runs of 8 - 15 s
-taken one after the other catch different spells. Ten rounds each, in a
-noisy spell, at concurrency 1: the package's TPOT p50 against the ideal's
-moved 13.6% (sd) from round to round taken in whole runs, 9.1% in four legs,
-for a third more time (a pause of `IDLE_SPIN_SECONDS` before each leg)."""
+taken one after the other catch different spells. In a noisy spell, the
+designs alternating round by round, the package's TPOT p50 against the
+ideal's moved 13.6% (sd) from round to round in whole runs and 9.1% in four
+legs at concurrency 1 (ten rounds each), 15.4% and 8.0% at 8 (eight each;
+the whole runs' one outlier of +31% made most of the difference), for a
+third more time (a pause of `IDLE_SPIN_SECONDS` before each leg)."""
 RERUNS = 2
 """A run whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
