@@ -108,7 +108,7 @@ legs at concurrency 1 (ten rounds each), 15.4% and 8.0% at 8 (eight each;
 the whole runs' one outlier of +31% made most of the difference), for a
 third more time (a pause of `IDLE_SPIN_SECONDS` before each leg)."""
 RERUNS = 2
-"""A run whose figures are not the server's (requests that failed on the
+"""A leg whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
 up to this many times; the last one's figures stand, and the table counts
 its requests read in bursts."""
