@@ -10,9 +10,8 @@ matmul of its own, the kernel's first tile instruction kills the process
 with SIGILL. Seen on a 2-core Intel Xeon VM with AMX: the tests' tiny
 dense model died once a prompt attended to cached tokens (a prefix-cache
 hit, a preempted request prefilled again), with or without this package,
-with or without the connector. The permission is asked for,
-through torch, when vLLM's CPU attention backend loads; elsewhere it is a
-no-op.
+with or without the connector. The permission is asked for, through
+torch, when vLLM's CPU attention backend loads; elsewhere it is a no-op.
 """
 
 from _kvfill_on_load import change_on_load
