@@ -18,11 +18,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.__main__ import (
     RESERVED_CPU_ENV,
+    Run,
     core_reservation_warning,
     leg_prompts,
     parse,
@@ -34,7 +36,14 @@ from vllm_kvfill_patch.fidelity.__main__ import (
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import MODES
-from vllm_kvfill_patch.fidelity.report import Cell, paired_ratio, undecided
+from vllm_kvfill_patch.fidelity.report import (
+    Cell,
+    against_the_ideal,
+    metric_of,
+    paired_ratio,
+    pooled_ratio,
+    undecided,
+)
 from vllm_kvfill_patch.fidelity.serve import SITE, Server, combined, read_in_bursts
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
@@ -397,63 +406,185 @@ def test_the_main_cases_servers_start_afresh_every_two_rounds_by_default():
     assert all(takes_part(default, MODES["ideal"], r) for r in range(6))
 
 
+def synthetic_legs(
+    tpot: list[float], itl: list[float], requests: int = 10
+) -> list[dict]:
+    """Legs of two per round whose requests all have TPOT `tpot[i]` x 10 ms
+    and ITLs `itl[i]` x 20 ms in leg i, as vLLM's result holds them."""
+    output = 5
+    return [
+        {
+            "round": i // 2,
+            "leg": i % 2,
+            "num_prompts": requests,
+            "completed": requests,
+            "failed": 0,
+            "duration": 1.0,
+            "total_input_tokens": requests,
+            "total_output_tokens": requests * output,
+            "max_output_tokens_per_s": 1.0,
+            "max_concurrent_requests": requests,
+            "p99_itl_ms": 0.0,  # vLLM's percentiles asked for: these two
+            "p99_tpot_ms": 0.0,
+            "ttfts": [0.05] * requests,
+            "latencies": [0.05 + 0.010 * tpot_factor * (output - 1)] * requests,
+            "output_lens": [output] * requests,
+            "itls": [[0.020 * itl_factor] * (output - 1)] * requests,
+        }
+        for i, (tpot_factor, itl_factor) in enumerate(zip(tpot, itl, strict=True))
+    ]
+
+
+def test_against_the_ideal_a_figure_is_over_every_legs_requests_paired_leg_by_leg():
+    ideal = Cell(legs=synthetic_legs([1.0] * 8, [1.0] * 8))
+    # One leg at +40%: the pooled median does not move, the p99 does.
+    cell = Cell(legs=synthetic_legs([1.0] * 7 + [1.4], [1.0] * 7 + [1.4]))
+    tpot = against_the_ideal(cell, ideal, "median_tpot_ms")
+    itl = against_the_ideal(cell, ideal, "p99_itl_ms")
+    assert tpot.estimate == pytest.approx(0.0, abs=1e-12)
+    assert itl.estimate == pytest.approx(0.4)
+    assert tpot.pairs == itl.pairs == 8
+    # Drawn without that leg now and then: the p99's interval spans both.
+    assert itl.low == pytest.approx(0.0, abs=1e-12) and itl.high == pytest.approx(0.4)
+    assert tpot.text(1) == "+0.0% [+0.0%, +0.0%]"
+    # Legs the ideal did not run are not compared; too few pairs: no interval.
+    few = Cell(legs=ideal.legs[:5])
+    assert against_the_ideal(cell, few, "p99_itl_ms").text(1) == "+0.0%"
+    assert against_the_ideal(cell, Cell(error="did not start"), "p99_itl_ms") is None
+    # The estimate is the ratio of vLLM's own figures over all the legs.
+    figures, reference = cell.figures(), ideal.figures()
+    assert itl.estimate == pytest.approx(
+        figures["p99_itl_ms"] / reference["p99_itl_ms"] - 1
+    )
+    assert metric_of("median_ttft_ms") == ("ttft", 50.0)
+    with pytest.raises(ValueError, match="mean_itl_ms"):
+        metric_of("mean_itl_ms")
+
+
+def test_the_pooled_interval_holds_the_true_ratio_in_about_95_percent_of_runs():
+    # Legs of skewed samples, each pair slowed alike by a spell of the
+    # machine; the cell's samples are 3% above the reference's.
+    rng = np.random.default_rng(0)
+    for percentile, pairs in ((99, 12), (50, 6)):
+        held, runs = 0, 200
+        for _ in range(runs):
+            spells = rng.lognormal(0, 0.1, pairs)
+            cell, reference = (
+                [list(f * s * rng.lognormal(0, 0.3, 150)) for s in spells]
+                for f in (1.03, 1.0)
+            )
+            ratio = pooled_ratio(cell, reference, percentile, resamples=300)
+            held += ratio.low <= 0.03 <= ratio.high
+        assert 0.88 <= held / runs <= 0.99, (percentile, pairs, held)
+
+
 def test_a_run_that_cannot_place_a_mode_within_or_outside_the_bar_says_so():
     ideal = Cell(
-        runs=[
-            {"round": r, "median_tpot_ms": 10.0, "p99_itl_ms": 20.0} for r in range(6)
-        ]
+        runs=[{"round": r, "median_tpot_ms": 10.0} for r in range(4)],
+        legs=synthetic_legs([1.0] * 8, [1.0] * 8),
     )
     ideal.runs[3]["median_tpot_ms"] = 12.6  # spread 26%
-
-    def cell(*ratios: tuple[float, float]) -> Cell:
-        """Rounds whose TPOT p50 and ITL p99 are these times the ideal's."""
-        return Cell(
-            runs=[
-                {
-                    "round": r,
-                    "median_tpot_ms": ideal.runs[r]["median_tpot_ms"] * tpot,
-                    "p99_itl_ms": ideal.runs[r]["p99_itl_ms"] * itl,
-                }
-                for r, (tpot, itl) in enumerate(ratios)
-            ]
-        )
-
-    steady = [(1.0, 1.0)] * 6
+    steady = [1.0, 1.005, 0.995, 1.0, 1.01, 0.99, 1.0, 1.0]
+    spread = [0.9, 0.95, 0.97, 1.0, 1.0, 1.03, 1.05, 1.1]
     cells = {
         # Inside both bars.
         ("main", "ideal", 1): ideal,
-        ("main", "package", 1): cell((1.01, 0.96), (0.99, 1.04), *steady[2:]),
-        # TPOT p50 from -8% to +15%: undecided; ITL p99 within ±4%: inside.
+        ("main", "package", 1): Cell(legs=synthetic_legs(steady, steady)),
+        # TPOT p50 from about -5% to +5%: undecided; ITL p99 steady: inside.
         ("main", "ideal", 8): ideal,
-        ("main", "package", 8): cell((0.92, 1.04), (1.15, 0.96), *steady[2:]),
+        ("main", "package", 8): Cell(legs=synthetic_legs(spread, steady)),
         # Wholly outside (re-prefills): a distortion, said by the table.
         ("preemption", "ideal", 8): ideal,
-        ("preemption", "upstream", 8): cell(
-            (1.16, 3.8), (1.19, 4.6), *[(1.17, 4.0)] * 4
+        ("preemption", "upstream", 8): Cell(
+            legs=synthetic_legs([1.17] * 8, [3.8, 4.6] * 4)
         ),
-        # One round (real prefill) or none: no interval.
-        ("main", "prefill", 8): cell((1.5, 1.5)),
+        # Too few pairs for an interval (real prefill's one round) or none.
+        ("main", "prefill", 8): Cell(legs=synthetic_legs([1.5] * 2, [1.5] * 2)),
         ("main", "upstream", 8): Cell(error="did not start"),
-        ("main", "package", 32): cell((1.1, 1.1), (0.9, 0.9)),  # no ideal
+        ("main", "package", 32): Cell(legs=synthetic_legs(spread, spread)),  # no ideal
     }
-    assert undecided(cells) == [
+    lines = undecided(cells)
+    assert lines[0] == (
         "warning: these intervals against the ideal reach both sides of the bar "
         "(TPOT p50 ±2%, ITL p99 ±5%), so this run cannot say whether those modes "
-        "are within it:",
-        "  main C=8 package: TPOT p50 -8.0% to +15.0% (the ideal's TPOT p50 "
-        "spread 26%)",
+        "are within it:"
+    )
+    assert re.fullmatch(
+        r"  main C=8 package: TPOT p50 -\d\.\d% to \+\d\.\d% "
+        r"\(the ideal's TPOT p50 spread 26%\)",
+        lines[1],
+    ), lines[1]
+    assert lines[2:] == [
         "run again when the machine is steady (the spreads say how far its speed "
-        "moved), or with more --rounds",
+        "moved), or with more --rounds or --settle-minutes",
     ]
     # Both figures undecided: one line names both.
-    cells[("main", "package", 8)].runs[0]["p99_itl_ms"] = 20 * 0.9
-    assert undecided(cells)[1] == (
-        "  main C=8 package: TPOT p50 -8.0% to +15.0%, ITL p99 -10.0% to +0.0% "
-        "(the ideal's TPOT p50 spread 26%)"
-    )
+    cells[("main", "package", 8)] = Cell(legs=synthetic_legs(spread, spread))
+    assert re.fullmatch(
+        r"  main C=8 package: TPOT p50 -\d\.\d% to \+\d\.\d%, "
+        r"ITL p99 [+-]\d\.\d% to \+\d+\.\d% \(the ideal's TPOT p50 spread 26%\)",
+        undecided(cells)[1],
+    ), undecided(cells)[1]
     # Every interval inside or outside: nothing to say.
     del cells[("main", "package", 8)]
     assert undecided(cells) == []
+
+
+@pytest.mark.parametrize("servers", ["together", "one-at-a-time"])
+def test_settling_adds_rounds_of_the_package_and_the_ideal_where_the_bar_is_undecided(
+    tmp_path, capsys, servers
+):
+    run = Run(
+        parse([
+            "--model", "m", "--output-dir", str(tmp_path), "--concurrency", "1", "8",
+            "--servers", servers, "--settle-minutes", "5",
+        ])
+    )  # fmt: skip
+    run.concurrencies = {"main": [1, 8]}
+    steady = [1.0, 1.005, 0.995, 1.0, 1.01, 0.99, 1.0, 1.0]
+    spread = [0.9, 0.95, 0.97, 1.0, 1.0, 1.03, 1.05, 1.1]
+    run.cells = {
+        ("main", "ideal", 1): Cell(legs=synthetic_legs([1.0] * 8, [1.0] * 8)),
+        ("main", "package", 1): Cell(legs=synthetic_legs(steady, steady)),
+        ("main", "ideal", 8): Cell(legs=synthetic_legs([1.0] * 8, [1.0] * 8)),
+        ("main", "package", 8): Cell(legs=synthetic_legs(spread, steady)),
+    }
+    served = []
+
+    def serve(case, modes, rounds, extra, decode, instance, concurrencies):
+        served.append(([m.name for m in modes], list(rounds), concurrencies, instance))
+        # Rounds that agree with the ideal: the interval narrows into the bar.
+        for round_ in rounds:
+            for mode in modes:
+                legs = synthetic_legs([1.0] * 40, [1.0] * 40)
+                for leg in legs:
+                    leg["round"] += round_
+                run.cells[(case, mode.name, 8)].legs += legs
+
+    run.serve = serve
+    modes = [MODES[name] for name in MODES]
+    run.settle(modes, [])
+    # Only C=8 was undecided; the first round after the main case's is 6.
+    if servers == "together":
+        # Two rounds a start of both servers (the main case took three starts).
+        assert served == [(["package", "ideal"], [6, 7], [8], 3)]
+    else:
+        assert served == [(["package"], [6], [8], 6), (["ideal"], [6], [8], 6)]
+    said = capsys.readouterr().out
+    assert re.search(
+        r"settle: C=8 TPOT p50 -\d\.\d% to \+\d\.\d% reach both sides of the bar; "
+        r"more rounds of the package and the ideal at C=8 \(0\.0 of 5 minutes spent\)",
+        said,
+    ), said
+    assert "no interval of the package's reaches both sides of the bar" in said
+    # Without a budget, or without the package or the ideal: nothing added.
+    served.clear()
+    run.cells[("main", "package", 8)] = Cell(legs=synthetic_legs(spread, steady))
+    run.args.settle_minutes = 0
+    run.settle(modes, [])
+    run.args.settle_minutes = 5
+    run.settle([MODES["package"], MODES["upstream"]], [])
+    assert served == []
 
 
 def test_a_users_model_on_vllm_cpu_is_warned_once_that_the_connector_takes_a_core(

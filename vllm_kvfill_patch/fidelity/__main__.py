@@ -9,10 +9,12 @@ against each, vLLM's own ``vllm bench serve`` (random dataset, fixed input and
 output lengths, ``--ignore-eos``) at each concurrency, round after round, each
 mode's run taken in four legs with the modes in turn leg by leg, so that a
 slow spell of the machine falls on all of them; the servers start afresh
-every two rounds. Prints one table (medians
-over the rounds, each mode against the ideal, the fill's time per step inside
-vLLM's worker), keeps vLLM's result files and draws TPOT and ITL p99 against
-concurrency.
+every two rounds. Where the package's interval against the ideal then reaches
+both sides of the bar, more rounds of the two at those concurrencies, within
+`--settle-minutes` (`Run.settle`). Prints one table (vLLM's figures over every
+round's requests; each mode against the ideal, leg paired with leg, with a
+bootstrap interval; the fill's time per step inside vLLM's worker), keeps
+vLLM's result files and draws TPOT and ITL p99 against concurrency.
 A preemption case runs the connector modes again on a KV cache small enough
 that vLLM preempts. Last, for the embedded model, ``fidelity.values`` times
 decode steps on the fill's values against real prefill's, step by step in one
@@ -39,8 +41,20 @@ from pathlib import Path
 from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.cores import Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
-from vllm_kvfill_patch.fidelity.modes import MODES, Mode, add_fill_config_argument
-from vllm_kvfill_patch.fidelity.report import Cell, picture, table, undecided
+from vllm_kvfill_patch.fidelity.modes import (
+    IDEAL,
+    MODES,
+    PACKAGE,
+    Mode,
+    add_fill_config_argument,
+)
+from vllm_kvfill_patch.fidelity.report import (
+    Cell,
+    picture,
+    straddling,
+    table,
+    undecided,
+)
 from vllm_kvfill_patch.fidelity.serve import (
     COUNTS,
     Server,
@@ -107,6 +121,13 @@ ideal's moved 13.6% (sd) from round to round in whole runs and 9.1% in four
 legs at concurrency 1 (ten rounds each), 15.4% and 8.0% at 8 (eight each;
 the whole runs' one outlier of +31% made most of the difference), for a
 third more time (a pause of `IDLE_SPIN_SECONDS` before each leg)."""
+SETTLE_MINUTES = 15.0
+"""Minutes, by default, of more rounds of the package and the ideal where the
+package's interval against the ideal reaches both sides of the bar after
+the main case's rounds (`Run.settle`). On the 2-core VMs measured, six rounds
+put most intervals of TPOT p50 within about ±2% and of ITL p99 within ±4 -
+7% of their estimate, the bar's own size; each two more rounds at the three
+concurrencies take about four minutes."""
 RERUNS = 2
 """A leg whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
@@ -221,6 +242,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=6,
         help="runs per cell (six is the fewest whose interval reaches 95%%)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--settle-minutes", type=float, default=SETTLE_MINUTES,
+        help="then, while an interval of the package's against the ideal "
+        "reaches both sides of the bar, more rounds of the two at those "
+        "concurrencies, started until this many minutes are spent (default "
+        f"{SETTLE_MINUTES:g}; 0: none)",
     )  # fmt: skip
     parser.add_argument(
         "--legs", type=int, default=LEGS,
@@ -493,6 +521,8 @@ class Run:
     def record(self, cell: Cell, label: str, round_: int, legs: list[dict]) -> None:
         """A round's figures of a cell, over its legs; said as a progress line."""
         figures = combined(legs)
+        for leg, result in enumerate(legs):
+            cell.legs.append(slim(result) | {"round": round_, "leg": leg})
         for key in (*COUNTS, "preemptions", "reruns", "read_in_bursts"):
             figures[key] = functools.reduce(probe.counted, (leg[key] for leg in legs))
         figures.update(round=round_, legs=len(legs))
@@ -519,7 +549,9 @@ class Run:
                 for mode in rotated(modes, round_):
                     if takes_part(self.args, mode, round_):
                         rounds = range(round_, round_ + 1)
-                        self.serve(case, [mode], rounds, extra, decode, round_)
+                        self.serve(
+                            case, [mode], rounds, extra, decode, round_, concurrencies
+                        )
             return
         sets = server_sets(self.args, case)
         for instance, rounds in enumerate(sets):
@@ -533,7 +565,9 @@ class Run:
                     f"{case}: servers started afresh ({instance + 1} of "
                     f"{len(sets)}) for rounds {rounds.start + 1} - {rounds.stop}"
                 )
-            self.serve(case, taking_part, rounds, extra, decode, instance)
+            self.serve(
+                case, taking_part, rounds, extra, decode, instance, concurrencies
+            )
 
     def serve(
         self,
@@ -543,20 +577,86 @@ class Run:
         extra: list[str],
         decode: int,
         instance: int,
+        concurrencies: list[int],
     ) -> None:
         """Starts the modes' servers together and measures each round's runs
-        against them, the modes in turn, then stops them."""
+        at `concurrencies` against them, the modes in turn, then stops them."""
         servers = {m.name: self.server(case, m, extra, decode, instance) for m in modes}
         try:
             running = self.start(servers, case)
             in_turn = [mode for mode in modes if mode.name in running]
             for round_ in rounds:
-                for concurrency in self.concurrencies[case]:
+                for concurrency in concurrencies:
                     self.measure(
                         case, rotated(in_turn, round_), running, concurrency, round_
                     )
         finally:
             self.stop(servers)
+
+    def settle(self, modes: list[Mode], extra: list[str]) -> None:
+        """More rounds of the package and the ideal, at the concurrencies
+        where the package's interval against the ideal reaches both sides of
+        the bar (`report.straddling`), while any does, started until
+        `--settle-minutes` are spent (the last one started finishes): the
+        noise of a run handled inside it, where it hides the answer. With
+        `--servers together` two rounds a start of the two servers, and the
+        intervals read again after each start. A run that stops where an
+        interval first fits has looked at it several times: its confidence
+        is then somewhat below the 95% of an interval read once."""
+        settling = [mode for mode in modes if mode.name in (PACKAGE, IDEAL)]
+        budget = self.args.settle_minutes * 60
+        if len(settling) < 2 or budget <= 0:
+            return
+        started = time.monotonic()
+        decode = max(self.concurrencies["main"])
+        first = round_ = self.args.rounds
+        instance = len(server_sets(self.args, "main"))
+        while (spent := time.monotonic() - started) < budget and (
+            todo := self.unsettled()
+        ):
+            self.say(
+                f"settle: {'; '.join(todo.values())} reach both sides of the "
+                f"bar; more rounds of the package and the ideal at C="
+                f"{', '.join(map(str, todo))} ({spent / 60:.1f} of "
+                f"{budget / 60:g} minutes spent)"
+            )
+            if self.together:
+                per_server = self.args.rounds_per_server or ROUNDS_PER_SERVER
+                rounds = range(round_, round_ + per_server)
+                self.serve("main", settling, rounds, extra, decode, instance, [*todo])
+                instance += 1
+            else:
+                rounds = range(round_, round_ + 1)
+                for mode in rotated(settling, round_):
+                    self.serve("main", [mode], rounds, extra, decode, round_, [*todo])
+            round_ = rounds.stop
+        left = self.unsettled()
+        self.say(
+            f"settle: {round_ - first} more rounds in "
+            f"{(time.monotonic() - started) / 60:.1f} minutes; "
+            + (
+                f"still reaching both sides: {'; '.join(left.values())}"
+                if left
+                else "no interval of the package's reaches both sides of the bar"
+            )
+        )
+
+    def unsettled(self) -> dict[int, str]:
+        """Per concurrency, the package's figures whose interval against
+        the ideal reaches both sides of the bar, said."""
+        found = {}
+        for concurrency in self.concurrencies["main"]:
+            cell = self.cells.get(("main", PACKAGE, concurrency))
+            if cell is None or cell.error is not None:
+                continue
+            ideal = self.cells.get(("main", IDEAL, concurrency))
+            figures = straddling(cell, ideal)
+            if figures:
+                found[concurrency] = f"C={concurrency} " + ", ".join(
+                    f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}"
+                    for figure, ratio in figures
+                )
+        return found
 
     def stop(self, servers: dict[str, Server]) -> None:
         for server in servers.values():
@@ -579,6 +679,8 @@ class Run:
                 f"{', '.join(map(str, concurrencies))}; {self.args.rounds} rounds"
             )
             self.run_case(case, modes, concurrencies, extra)
+            if case == "main":
+                self.settle(modes, extra)
         values = self.values()
         self.cells = dict(sorted(self.cells.items(), key=cell_order))
         text = table(self.cells)
@@ -591,7 +693,8 @@ class Run:
         model = self.args.model or "the embedded tiny hybrid MoE"
         title = (
             f"{model}: input {self.args.input_len}, output "
-            f"{self.args.output_len}; medians of {self.args.rounds} rounds"
+            f"{self.args.output_len}; every request of {self.args.rounds} rounds"
+            + (" and those settling" if self.args.settle_minutes else "")
         )
         drawn = picture(self.cells, self.output / "decode.png", title)
         print(f"picture: {drawn}")
@@ -659,6 +762,20 @@ class Run:
             "median of paired steps' ratios, 95% CI):\n"
             + values_table(json.loads(result.read_text()))
         )
+
+
+SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls")
+"""The request lists of vLLM's result a cell keeps (`combined` and the
+comparison with the ideal read them); the rest stay in vLLM's file."""
+
+
+def slim(result: dict) -> dict:
+    """A leg's result with its scalars and `SLIM_KEYS` only."""
+    return {
+        key: value
+        for key, value in result.items()
+        if key in SLIM_KEYS or not isinstance(value, list)
+    }
 
 
 def machine() -> str:

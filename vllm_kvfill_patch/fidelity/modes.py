@@ -69,3 +69,4 @@ MODES = {
 }
 """Every mode, in the table's order; `ideal` is what the others are held to."""
 IDEAL = "ideal"
+PACKAGE = "package"

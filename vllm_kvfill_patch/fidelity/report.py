@@ -10,20 +10,26 @@ from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.modes import IDEAL
 from vllm_kvfill_patch.fidelity.probe import FILL_BUCKETS, counted, fill_bucket_bound
+from vllm_kvfill_patch.fidelity.serve import PERCENTILE_KEY, combined, request_seconds
 
 
 @dataclass
 class Cell:
-    """One mode at one concurrency: each run's figures, and why it did not run."""
+    """One mode at one concurrency: each round's figures (over its legs),
+    each leg's result, and why it did not run."""
 
     runs: list[dict] = field(default_factory=list)
+    legs: list[dict] = field(default_factory=list)
+    """vLLM's result of each leg, with its ``round`` and ``leg``; only the
+    request lists `request_seconds` reads and the scalars."""
     error: str | None = None
 
-    def median(self, key: str) -> float:
-        return statistics.median(run[key] for run in self.runs)
+    def figures(self) -> dict:
+        """vLLM's figures over every leg's requests, as of one long run."""
+        return combined(self.legs)
 
     def spread(self, key: str) -> float:
-        """(max - min) / median over the runs, 0 for one run."""
+        """(max - min) / median over the rounds, 0 for one round."""
         values = [run[key] for run in self.runs]
         middle = statistics.median(values)
         return (max(values) - min(values)) / middle if middle else 0.0
@@ -41,7 +47,7 @@ COLUMNS = (
     ("ITL p50", "median_itl_ms", "{:.1f}"),
     ("ITL p99", "p99_itl_ms", "{:.1f}"),
 )
-"""(heading, key of vLLM's result JSON, format): medians over the runs."""
+"""(heading, key of vLLM's result JSON, format): over every round's requests."""
 
 
 def expert_imbalance(cell: Cell) -> str:
@@ -51,7 +57,7 @@ def expert_imbalance(cell: Cell) -> str:
     return f"{cell.total('expert_imbalance_sum') / forwards:.2f}"
 
 
-def fill_per_step(cell: Cell) -> str:
+def fill_per_step(cell: Cell, figures: dict) -> str:
     """The worker's time in the connector's fill per forward pass, and its
     share of the mean inter-token latency: how much of each decode step the
     write itself takes, measured inside vLLM rather than read off the
@@ -60,10 +66,10 @@ def fill_per_step(cell: Cell) -> str:
     if not calls:
         return "-"
     per_step = cell.total("fill_seconds") * 1000 / calls
-    return f"{per_step:.3f} ms ({per_step / cell.median('mean_itl_ms'):.1%})"
+    return f"{per_step:.3f} ms ({per_step / figures['mean_itl_ms']:.1%})"
 
 
-def slowest_fills(cell: Cell) -> str:
+def slowest_fills(cell: Cell, figures: dict) -> str:
     """The 99th percentile of the fill's time per forward pass (the upper
     bound of its histogram bucket: at most 19% above it), and its share of
     ITL p99: what the fill can add to the slowest steps."""
@@ -77,29 +83,33 @@ def slowest_fills(cell: Cell) -> str:
         k for k, seen in enumerate(itertools.accumulate(histogram)) if seen >= rank
     )
     p99 = fill_bucket_bound(bucket) * 1000
-    return f"{p99:.3f} ms ({p99 / cell.median('p99_itl_ms'):.1%})"
+    return f"{p99:.3f} ms ({p99 / figures['p99_itl_ms']:.1%})"
 
 
 CONFIDENCE = 0.95
+MIN_PAIRS = 6
+"""Paired legs a comparison with the ideal needs for an interval
+(`pooled_ratio`); with fewer, the figure alone."""
+RESAMPLES = 2000
 
 
 @dataclass(frozen=True)
-class PairedRatio:
-    """How much larger one set of paired measurements is than its reference:
-    the median of the pairs' ratios minus one, and an interval of two of the
-    ratios' order statistics that holds the true median with `confidence`."""
+class Ratio:
+    """How much larger a figure is than its reference, and an interval that
+    holds the true difference with `confidence` (None: too few pairs for
+    one), from `pairs` paired measurements."""
 
-    median: float
-    low: float
-    high: float
+    estimate: float
+    low: float | None
+    high: float | None
     confidence: float
     pairs: int
 
     def text(self, digits: int) -> str:
         """`+1.2% [-3.4%, +5.6%]`, with the interval's confidence after it
-        where too few pairs give 95%; the median alone for one pair."""
-        middle = f"{self.median:+.{digits}%}"
-        if self.pairs == 1:
+        where too few pairs give 95%; the estimate alone without one."""
+        middle = f"{self.estimate:+.{digits}%}"
+        if self.low is None or self.high is None:
             return middle
         interval = f"{middle} [{self.low:+.{digits}%}, {self.high:+.{digits}%}]"
         if self.confidence < CONFIDENCE:
@@ -107,14 +117,18 @@ class PairedRatio:
         return interval
 
 
-def paired_ratio(values: list[float], references: list[float]) -> PairedRatio:
-    """Distribution-free: the number of ratios below their true median is
-    binomial(n, 1/2), so the interval that leaves out the k smallest and the
-    k largest misses it with probability 2 P(B <= k). The widest k that keeps
-    that at most 5% is taken; under six pairs even the range cannot, and the
-    range is given with its own confidence (75% for three)."""
+def paired_ratio(values: list[float], references: list[float]) -> Ratio:
+    """The median of paired ratios, minus one, and an interval of two of the
+    ratios' order statistics. Distribution-free: the number of ratios below
+    their true median is binomial(n, 1/2), so the interval that leaves out
+    the k smallest and the k largest misses it with probability 2 P(B <= k).
+    The widest k that keeps that at most 5% is taken; under six pairs even
+    the range cannot, and the range is given with its own confidence (75%
+    for three)."""
     ratios = sorted(v / r - 1 for v, r in zip(values, references, strict=True))
     n = len(ratios)
+    if n == 1:
+        return Ratio(ratios[0], None, None, 0.0, 1)
 
     def confidence(k: int) -> float:
         return 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
@@ -122,39 +136,130 @@ def paired_ratio(values: list[float], references: list[float]) -> PairedRatio:
     k = 0
     while 2 * (k + 1) < n and confidence(k + 1) >= CONFIDENCE:
         k += 1
-    return PairedRatio(
+    return Ratio(
         statistics.median(ratios), ratios[k], ratios[n - 1 - k], confidence(k), n
     )
 
 
-def paired_with_ideal(cell: Cell, ideal: Cell | None, key: str) -> PairedRatio | None:
-    """The mode against the ideal, round by round (`paired_ratio`), or None
-    where either did not run. Runs of one round ran minutes apart at most,
-    so a slow spell of the machine moves both; the interval says what the
-    median can be trusted to within this run (a difference inside it is
-    noise, and more rounds narrow it). What all the rounds share, the run's
-    spell of the machine, it does not see. What sets one start of a server
-    apart it sees since the main case's servers start afresh every two rounds
+def pooled_ratio(
+    samples: list[list[float]],
+    references: list[list[float]],
+    percentile: float,
+    resamples: int = RESAMPLES,
+) -> Ratio | None:
+    """The percentile of every pair's samples together against the
+    reference's, minus one: what one long run of each would read. Its
+    interval is a paired bootstrap's: pairs drawn with replacement, both
+    sides' samples of each drawn pair taken together (a percentile of
+    samples weighted by how often their pair was drawn), the middle 95% of
+    `resamples` such ratios; seeded, so that a table is reproducible. None
+    where either side has no samples."""
+    import numpy as np
+
+    n = len(samples)
+    if not any(samples) or not any(references):
+        return None
+    estimate = float(
+        np.percentile(np.concatenate(samples), percentile)
+        / np.percentile(np.concatenate(references), percentile)
+        - 1
+    )
+    if n < MIN_PAIRS:
+        return Ratio(estimate, None, None, 0.0, n)
+    sides = [_sorted_with_pairs(side) for side in (samples, references)]
+    draws = np.random.default_rng(0).integers(0, n, size=(resamples, n))
+    ratios = np.empty(resamples)
+    for i, drawn in enumerate(draws):
+        weights = np.bincount(drawn, minlength=n)
+        value, reference = (
+            _weighted_percentile(*side, weights, percentile) for side in sides
+        )
+        ratios[i] = value / reference - 1 if reference else np.nan
+    ratios = ratios[~np.isnan(ratios)]
+    low, high = np.quantile(ratios, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return Ratio(estimate, float(low), float(high), CONFIDENCE, n)
+
+
+def _sorted_with_pairs(side: list[list[float]]) -> tuple:
+    """Every pair's samples sorted together, the pair each came from, and
+    how many samples each pair has."""
+    import numpy as np
+
+    sizes = np.array([len(samples) for samples in side])
+    values = np.concatenate(side)
+    pairs = np.repeat(np.arange(len(side)), sizes)
+    order = np.argsort(values, kind="stable")
+    return values[order], pairs[order], sizes
+
+
+def _weighted_percentile(values, pairs, sizes, weights, percentile: float) -> float:
+    """The smallest sample at or above `percentile`% of the weight. A high
+    percentile lies among the largest samples whatever the draw but for rare
+    ones: those are summed first, and all of them only where it is not."""
+    import numpy as np
+
+    total = float(weights @ sizes)
+    if not total:
+        return 0.0
+    rank = percentile / 100 * total
+    tail = max(64, math.ceil(3 * (1 - percentile / 100) * len(values)))
+    start = max(0, len(values) - tail)
+    cumulative = np.cumsum(weights[pairs[start:]])
+    below = total - float(cumulative[-1])
+    if start and below >= rank:  # a rare draw: lower than the largest samples
+        start, below = 0, 0.0
+        cumulative = np.cumsum(weights[pairs])
+    found = np.searchsorted(cumulative, rank - below)
+    return float(values[start + min(found, len(cumulative) - 1)])
+
+
+def metric_of(key: str) -> tuple[str, float]:
+    """The metric and percentile a key of vLLM's result names:
+    ``median_tpot_ms`` -> ``("tpot", 50.0)``, ``p99_itl_ms`` -> ``("itl", 99.0)``."""
+    if key.startswith("median_"):
+        return key.removeprefix("median_").removesuffix("_ms"), 50.0
+    match = PERCENTILE_KEY.fullmatch(key)
+    if match is None:
+        raise ValueError(f"{key} is not a percentile of vLLM's result")
+    return match[2], float(match[1])
+
+
+def against_the_ideal(cell: Cell, ideal: Cell | None, key: str) -> Ratio | None:
+    """The mode's figure over all its rounds against the ideal's, leg paired
+    with leg (`pooled_ratio`), or None where either did not run. The modes
+    take turns leg by leg, seconds apart, so a slow spell of the machine
+    moves both sides of a pair; the interval says what the figure can be
+    trusted to within this run (a difference inside it is noise, and more
+    rounds narrow it). What all the legs share, the run's spell of the
+    machine, it does not see. What sets one start of a server apart it sees
+    since the main case's servers start afresh every two rounds
     (`ROUNDS_PER_SERVER`); with one start a run, two runs' intervals at
     concurrency 1 missed each other (docs/benchmark.md)."""
-    if ideal is None or ideal.error or not ideal.runs or not cell.runs:
+    if ideal is None or ideal.error or not ideal.legs or not cell.legs:
         return None
-    by_round = {run["round"]: run[key] for run in ideal.runs}
-    paired = [run for run in cell.runs if by_round.get(run["round"])]
-    if not paired:
+    reference = {(leg["round"], leg["leg"]): leg for leg in ideal.legs}
+    pairs = [
+        (leg, reference[unit])
+        for leg in cell.legs
+        if (unit := (leg["round"], leg["leg"])) in reference
+    ]
+    if not pairs:
         return None
-    return paired_ratio(
-        [run[key] for run in paired], [by_round[run["round"]] for run in paired]
+    metric, percentile = metric_of(key)
+    return pooled_ratio(
+        [request_seconds(leg)[metric] for leg, _ in pairs],
+        [request_seconds(leg)[metric] for _, leg in pairs],
+        percentile,
     )
 
 
-def against_ideal(cell: Cell, ideal: Cell | None, key: str) -> str:
-    ratio = paired_with_ideal(cell, ideal, key)
+def against_ideal_text(cell: Cell, ideal: Cell | None, key: str) -> str:
+    ratio = against_the_ideal(cell, ideal, key)
     return "-" if ratio is None else ratio.text(1)
 
 
 def table(cells: dict[tuple[str, str, int], Cell]) -> str:
-    """One row per (case, mode, concurrency); figures are medians over runs."""
+    """One row per (case, mode, concurrency); figures over all its rounds."""
     headings = [
         "case", "mode", "C", *(h for h, _, _ in COLUMNS), "TPOT p50 spread",
         "preempted", "re-prefilled tok", "read in bursts", "expert max/mean",
@@ -168,7 +273,8 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         if cell.error is not None:
             rows.append([*row, "did not run: " + cell.error.replace("|", "\\|")])
             continue
-        row += [fmt.format(cell.median(key)) for _, key, fmt in COLUMNS]
+        figures = cell.figures()
+        row += [fmt.format(figures[key]) for _, key, fmt in COLUMNS]
         row.append(f"{cell.spread('median_tpot_ms'):.0%}")
         row.append(f"{cell.total('preemptions'):.0f}")
         row.append(f"{cell.total('reprefilled_tokens'):.0f}")
@@ -176,14 +282,14 @@ def table(cells: dict[tuple[str, str, int], Cell]) -> str:
         row.append(expert_imbalance(cell))
         checked = cell.total("checked_outputs")
         row.append(f"{cell.total('subnormal_outputs'):.0f}" if checked else "-")
-        row.append(fill_per_step(cell))
-        row.append(slowest_fills(cell))
+        row.append(fill_per_step(cell, figures))
+        row.append(slowest_fills(cell, figures))
         ideal = cells.get((case, IDEAL, concurrency))
         if mode == IDEAL:
             row += ["(reference)", "(reference)"]
         else:
-            row.append(against_ideal(cell, ideal, "median_tpot_ms"))
-            row.append(against_ideal(cell, ideal, "p99_itl_ms"))
+            row.append(against_ideal_text(cell, ideal, "median_tpot_ms"))
+            row.append(against_ideal_text(cell, ideal, "p99_itl_ms"))
         rows.append(row)
     lines = ["| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -196,31 +302,41 @@ BAR = {"median_tpot_ms": ("TPOT p50", 0.02), "p99_itl_ms": ("ITL p99", 0.05)}
 equal."""
 
 
+def straddling(cell: Cell, ideal: Cell | None) -> list[tuple[str, Ratio]]:
+    """The figures of `BAR` (by name) whose interval against the ideal
+    reaches both inside and outside the bar: whatever its estimate reads,
+    the run cannot say whether the mode is within it. Not a figure without
+    an interval, nor one wholly inside or outside (a distortion such as
+    upstream's re-prefills)."""
+    found = []
+    for key, (figure, bar) in BAR.items():
+        ratio = against_the_ideal(cell, ideal, key)
+        if ratio is None or ratio.low is None or ratio.high is None:
+            continue
+        if (
+            ratio.low < bar
+            and ratio.high > -bar
+            and (ratio.low < -bar or ratio.high > bar)
+        ):
+            found.append((figure, ratio))
+    return found
+
+
 def undecided(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
-    """A warning, as lines, naming each mode and concurrency whose interval
-    against the ideal reaches both inside and outside its `BAR`: that run
-    cannot say whether the mode is within the bar, whatever its median
-    reads; no lines where every interval is wholly inside or outside (a
-    distortion such as upstream's re-prefills). With each, the ideal's own
-    TPOT p50 spread: where the machine's speed moved during the run (pairing
-    by round cancels a slow drift, not a spell within a round), every
-    interval of that concurrency widens."""
+    """A warning, as lines, naming each mode and concurrency with a figure
+    `straddling` the bar; no lines where there is none. With each, the
+    ideal's own TPOT p50 spread: where the machine's speed moved during the
+    run (pairing leg by leg cancels a slow drift, not a spell within a
+    leg), every interval of that concurrency widens."""
     lines = []
     for (case, mode, concurrency), cell in cells.items():
         ideal = cells.get((case, IDEAL, concurrency))
         if mode == IDEAL or cell.error or ideal is None:
             continue
-        figures = []
-        for key, (figure, bar) in BAR.items():
-            ratio = paired_with_ideal(cell, ideal, key)
-            if ratio is None or ratio.pairs == 1:
-                continue
-            if (
-                ratio.low < bar
-                and ratio.high > -bar
-                and (ratio.low < -bar or ratio.high > bar)
-            ):
-                figures.append(f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}")
+        figures = [
+            f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}"
+            for figure, ratio in straddling(cell, ideal)
+        ]
         if figures:
             lines.append(
                 f"  {case} C={concurrency} {mode}: {', '.join(figures)} (the "
@@ -234,7 +350,7 @@ def undecided(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
         f"({bars}), so this run cannot say whether those modes are within it:",
         *lines,
         "run again when the machine is steady (the spreads say how far its "
-        "speed moved), or with more --rounds",
+        "speed moved), or with more --rounds or --settle-minutes",
     ]
 
 
@@ -256,9 +372,9 @@ def picture(cells: dict[tuple[str, str, int], Cell], path: Path, title: str) -> 
     ):
         series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for (case, mode, concurrency), cell in cells.items():
-            if cell.runs and cell.error is None:
+            if cell.legs and cell.error is None:
                 series.setdefault((case, mode), []).append(
-                    (concurrency, cell.median(key))
+                    (concurrency, cell.figures()[key])
                 )
         for (case, mode), points in series.items():
             points.sort()

@@ -307,6 +307,22 @@ PERCENTILE_KEY = re.compile(r"p(\d+(?:\.\d+)?)_(ttft|tpot|itl)_ms")
 """How vLLM's result names a percentile of a metric: `p99_itl_ms`."""
 
 
+def request_seconds(result: dict) -> dict[str, list[float]]:
+    """A run's samples of each metric vLLM takes percentiles of, in seconds,
+    as `calculate_metrics` in vllm/benchmarks/serve.py takes them: a TTFT per
+    request, a TPOT per request of more than one output token, every ITL."""
+    seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
+    for ttft, latency, length, itls in zip(
+        result["ttfts"], result["latencies"], result["output_lens"],
+        result["itls"], strict=True,
+    ):  # fmt: skip
+        seconds["ttft"].append(ttft)
+        seconds["itl"] += itls
+        if length > 1:
+            seconds["tpot"].append((latency - ttft) / (length - 1))
+    return seconds
+
+
 def combined(results: list[dict]) -> dict:
     """The figures of runs of `vllm bench serve` (saved with
     `--save-detailed`, every request completed) taken as one run: vLLM's
@@ -332,14 +348,8 @@ def combined(results: list[dict]) -> dict:
     )
     seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
     for result in results:
-        for ttft, latency, length, itls in zip(
-            result["ttfts"], result["latencies"], result["output_lens"],
-            result["itls"], strict=True,
-        ):  # fmt: skip
-            seconds["ttft"].append(ttft)
-            seconds["itl"] += itls
-            if length > 1:
-                seconds["tpot"].append((latency - ttft) / (length - 1))
+        for metric, values in request_seconds(result).items():
+            seconds[metric] += values
     for metric, values in seconds.items():
         taken = values or [0.0]
         figures[f"mean_{metric}_ms"] = float(np.mean(taken)) * 1000
