@@ -7,6 +7,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vllm_kvfill_patch.fidelity.modes import IDEAL
 from vllm_kvfill_patch.fidelity.probe import FILL_BUCKETS, counted, fill_bucket_bound
@@ -180,7 +181,7 @@ def pooled_ratio(
     return Ratio(estimate, float(low), float(high), CONFIDENCE, n)
 
 
-def _sorted_with_pairs(side: list[list[float]]) -> tuple:
+def _sorted_with_pairs(side: list[list[float]]) -> tuple[Any, Any, Any]:
     """Every pair's samples sorted together, the pair each came from, and
     how many samples each pair has."""
     import numpy as np
@@ -192,7 +193,9 @@ def _sorted_with_pairs(side: list[list[float]]) -> tuple:
     return values[order], pairs[order], sizes
 
 
-def _weighted_percentile(values, pairs, sizes, weights, percentile: float) -> float:
+def _weighted_percentile(
+    values: Any, pairs: Any, sizes: Any, weights: Any, percentile: float
+) -> float:
     """The smallest sample at or above `percentile`% of the weight. A high
     percentile lies among the largest samples whatever the draw but for rare
     ones: those are summed first, and all of them only where it is not."""
