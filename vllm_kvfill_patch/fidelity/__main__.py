@@ -124,10 +124,10 @@ third more time (a pause of `IDLE_SPIN_SECONDS` before each leg)."""
 SETTLE_MINUTES = 15.0
 """Minutes, by default, of more rounds of the package and the ideal where the
 package's interval against the ideal reaches both sides of the bar after
-the main case's rounds (`Run.settle`). On the 2-core VMs measured, six rounds
-put most intervals of TPOT p50 within about ±2% and of ITL p99 within ±4 -
-7% of their estimate, the bar's own size; each two more rounds at the three
-concurrencies take about four minutes."""
+the main case's rounds (`Run.settle`). On the 2-core VM measured, six rounds
+put the intervals of TPOT p50 within about ±2% and of ITL p99 within ±5 -
+10% of their estimate, the bar's own size; each two more rounds at the three
+concurrencies took three and a half minutes."""
 RERUNS = 2
 """A leg whose figures are not the server's (requests that failed on the
 client's side, or read in bursts: `serve.read_in_bursts`) is taken again,
@@ -241,7 +241,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=6,
-        help="runs per cell (six is the fewest whose interval reaches 95%%)",
+        help="runs per cell, before settling (each of --legs pairs with the "
+        "ideal's; six pairs are the fewest that give an interval)",
     )  # fmt: skip
     parser.add_argument(
         "--settle-minutes", type=float, default=SETTLE_MINUTES,
@@ -650,12 +651,9 @@ class Run:
             if cell is None or cell.error is not None:
                 continue
             ideal = self.cells.get(("main", IDEAL, concurrency))
-            figures = straddling(cell, ideal)
-            if figures:
-                found[concurrency] = f"C={concurrency} " + ", ".join(
-                    f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}"
-                    for figure, ratio in figures
-                )
+            said = straddling(cell, ideal)
+            if said:
+                found[concurrency] = f"C={concurrency} {said}"
         return found
 
     def stop(self, servers: dict[str, Server]) -> None:
@@ -693,8 +691,7 @@ class Run:
         model = self.args.model or "the embedded tiny hybrid MoE"
         title = (
             f"{model}: input {self.args.input_len}, output "
-            f"{self.args.output_len}; every request of {self.args.rounds} rounds"
-            + (" and those settling" if self.args.settle_minutes else "")
+            f"{self.args.output_len}; every request of every round"
         )
         drawn = picture(self.cells, self.output / "decode.png", title)
         print(f"picture: {drawn}")

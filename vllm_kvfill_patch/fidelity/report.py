@@ -305,12 +305,12 @@ BAR = {"median_tpot_ms": ("TPOT p50", 0.02), "p99_itl_ms": ("ITL p99", 0.05)}
 equal."""
 
 
-def straddling(cell: Cell, ideal: Cell | None) -> list[tuple[str, Ratio]]:
-    """The figures of `BAR` (by name) whose interval against the ideal
-    reaches both inside and outside the bar: whatever its estimate reads,
-    the run cannot say whether the mode is within it. Not a figure without
-    an interval, nor one wholly inside or outside (a distortion such as
-    upstream's re-prefills)."""
+def straddling(cell: Cell, ideal: Cell | None) -> str:
+    """The figures of `BAR` whose interval against the ideal reaches both
+    inside and outside the bar, said (``ITL p99 -7.0% to +3.8%``; empty where
+    none): whatever their estimates read, the run cannot say whether the mode
+    is within it. Not a figure without an interval, nor one wholly inside or
+    outside (a distortion such as upstream's re-prefills)."""
     found = []
     for key, (figure, bar) in BAR.items():
         ratio = against_the_ideal(cell, ideal, key)
@@ -321,8 +321,8 @@ def straddling(cell: Cell, ideal: Cell | None) -> list[tuple[str, Ratio]]:
             and ratio.high > -bar
             and (ratio.low < -bar or ratio.high > bar)
         ):
-            found.append((figure, ratio))
-    return found
+            found.append(f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}")
+    return ", ".join(found)
 
 
 def undecided(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
@@ -336,13 +336,10 @@ def undecided(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
         ideal = cells.get((case, IDEAL, concurrency))
         if mode == IDEAL or cell.error or ideal is None:
             continue
-        figures = [
-            f"{figure} {ratio.low:+.1%} to {ratio.high:+.1%}"
-            for figure, ratio in straddling(cell, ideal)
-        ]
-        if figures:
+        said = straddling(cell, ideal)
+        if said:
             lines.append(
-                f"  {case} C={concurrency} {mode}: {', '.join(figures)} (the "
+                f"  {case} C={concurrency} {mode}: {said} (the "
                 f"ideal's TPOT p50 spread {ideal.spread('median_tpot_ms'):.0%})"
             )
     if not lines:
