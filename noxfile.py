@@ -90,6 +90,7 @@ SUITES = {
         "tests/test_fill.py",
         "tests/test_connector.py",
         "tests/test_refill.py",
+        "tests/test_options.py",
         "tests/test_late_apply.py",
         "tests/test_processes.py",
     ],

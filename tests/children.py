@@ -16,16 +16,17 @@ import os
 import sys
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
-CONNECTOR_METHODS = {
-    "start_load_kv": "DecodeBenchConnector",
-    "start_fill_kv": "DecodeBenchConnectorWorker",
-    "_fill_blocks": "DecodeBenchConnectorWorker",
-    "get_num_new_matched_tokens": "DecodeBenchConnectorScheduler",
-    "update_state_after_alloc": "DecodeBenchConnector",
-}
-"""The methods a step and a scheduling go through; the overlay wraps
-``start_load_kv``, the scheduler side's ``get_num_new_matched_tokens`` and,
-up to 0.29, the connector's ``update_state_after_alloc``, never the
+CONNECTOR_METHODS = (
+    "DecodeBenchConnector.__init__",
+    "DecodeBenchConnector.start_load_kv",
+    "DecodeBenchConnectorWorker.start_fill_kv",
+    "DecodeBenchConnectorWorker._fill_blocks",
+    "DecodeBenchConnectorScheduler.get_num_new_matched_tokens",
+    "DecodeBenchConnectorScheduler.update_state_after_alloc",
+    "DecodeBenchConnector.update_state_after_alloc",
+)
+"""The methods a connector's construction, a step and a scheduling go
+through; the overlay wraps some (``helpers.wrappers_for``), never the
 worker's."""
 
 
@@ -48,8 +49,10 @@ def connector_report(module=None) -> dict:
         report["logging_configuration_wrappers"] = wrapper_count(configure)
     if module is not None:
         report["wrappers"] = {
-            method: wrapper_count(getattr(module, owner).__dict__[method])
-            for method, owner in CONNECTOR_METHODS.items()
+            path: wrapper_count(
+                getattr(module, path.split(".")[0]).__dict__[path.split(".")[1]]
+            )
+            for path in CONNECTOR_METHODS
         }
     package = sys.modules.get("vllm_kvfill_patch")
     if package is not None:
@@ -290,6 +293,30 @@ def refill_behaviour() -> str:
     return {7: "refill", 0: "upstream"}.get(matched, f"{matched} matched")
 
 
+def semantics_report(steps: list[str]) -> dict:
+    """`run_steps`, then what the scheduler side does with a preempted request
+    and with a one-token prompt back after a preemption."""
+    report = run_steps(steps)
+    report["refill"] = refill_behaviour()
+    report["zero-token"] = zero_token_behaviour()
+    return report
+
+
+def zero_token_behaviour() -> str:
+    """What the scheduler side does right now with a one-token prompt back
+    after a preemption: 'not offered' (filled once) or 'offered' (its 3
+    generated tokens, as external KV: upstream's, or the refill's)."""
+    from vllm_kvfill_patch.gating import bare_scheduler, offered_after_a_zero_token_fill
+
+    cls = sys.modules[CONNECTOR_MODULE].DecodeBenchConnectorScheduler
+    offered = offered_after_a_zero_token_fill(
+        bare_scheduler(cls),
+        cls.get_num_new_matched_tokens,
+        cls.update_state_after_alloc,
+    )
+    return {0: "not offered", 3: "offered"}.get(offered, f"{offered} offered")
+
+
 def _config_with_blocks(num_blocks: int):
     from types import SimpleNamespace
 
@@ -320,6 +347,7 @@ def foreign_patch_report(
                     "reason": vllm_kvfill_patch.status().reason,
                     "behaviour": step_behaviour(),
                     "refill": refill_behaviour(),
+                    "zero-token": zero_token_behaviour(),
                 }
             )
     except Exception as exc:  # noqa: BLE001 - the report says what raised

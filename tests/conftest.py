@@ -96,7 +96,8 @@ def vllm_config_for(tiny_model):
     cache = {}
 
     def build(**extra):
-        key = tuple(sorted(extra.items()))
+        # repr, not the values: True == 1, and NaN is not equal to itself.
+        key = repr(sorted(extra.items()))
         if key not in cache:
             config = copy.deepcopy(base)
             config.kv_transfer_config.kv_connector_extra_config = dict(extra)

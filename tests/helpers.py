@@ -136,21 +136,36 @@ def git_apply(tree: Path, patch: Path) -> subprocess.CompletedProcess:
     )
 
 
-def applied_reason(vllm_version: str) -> str:
+DECODE_NODE_DEFAULT = (
+    "; semantics: a decode node's: each request filled once, a preempted request "
+    "recomputed (the refill is opt-in: refill_preempted in the connector's options)"
+)
+"""How the status reason ends by default: the semantics in force, and why."""
+
+
+def applied_reason(vllm_version: str, semantics: str = DECODE_NODE_DEFAULT) -> str:
     """The status reason the release policy expects on this release: the
-    defects the probes of upstream's own methods must find there."""
+    defects the probes of upstream's own methods must find there, then the
+    semantics in force."""
     from vllm_kvfill_patch.releases import DEFECTS, policy_for
 
-    return "; ".join(DEFECTS[defect] for defect in policy_for(vllm_version).defects)
+    defects = policy_for(vllm_version).defects
+    return "; ".join(DEFECTS[defect] for defect in defects) + semantics
 
 
-def applied_parts(vllm_version: str) -> list[str]:
-    """The parts of the patch the policy's defects call for (``PatchStatus.parts``)."""
+def applied_parts(vllm_version: str, refill: bool = False) -> list[str]:
+    """The parts of the patch the policy's defects call for (``PatchStatus.parts``),
+    with the opt-in refill where asked."""
     from vllm_kvfill_patch.releases import policy_for
 
     defects = set(policy_for(vllm_version).defects)
-    parts = {"fill": bool(defects - {"no_refill", "hit_blocks"})}
-    parts |= {"refill": "no_refill" in defects, "prefix-hit": "hit_blocks" in defects}
+    parts = {
+        "fill": bool(defects - {"zero_token_fill", "hit_blocks"}),
+        "fill-once": "zero_token_fill" in defects,
+        "prefix-hit": "hit_blocks" in defects,
+        "options": True,
+        "refill": refill,
+    }
     return [part for part, needed in parts.items() if needed]
 
 
@@ -160,14 +175,22 @@ NOTHING_WRAPPED = dict.fromkeys(children.CONNECTOR_METHODS, 0)
 
 def wrappers_for(parts: list[str]) -> dict[str, int]:
     """A child's ``report["wrappers"]`` where these parts of the patch are in:
-    one wrapper on the connector's step (fill), on the scheduler side's
-    ``get_num_new_matched_tokens`` (refill) and on the connector's
-    ``update_state_after_alloc`` (prefix-hit); none on the worker's methods."""
+    one wrapper on the connector's step (fill), on its ``__init__``
+    (options), on the scheduler side's ``update_state_after_alloc``
+    (fill-once) and ``get_num_new_matched_tokens`` (refill), on the
+    connector's ``update_state_after_alloc`` (prefix-hit); none on the
+    worker's methods."""
     return {
         **NOTHING_WRAPPED,
-        "start_load_kv": int("fill" in parts),
-        "get_num_new_matched_tokens": int("refill" in parts),
-        "update_state_after_alloc": int("prefix-hit" in parts),
+        "DecodeBenchConnector.start_load_kv": int("fill" in parts),
+        "DecodeBenchConnector.__init__": int("options" in parts),
+        "DecodeBenchConnectorScheduler.update_state_after_alloc": int(
+            "fill-once" in parts
+        ),
+        "DecodeBenchConnectorScheduler.get_num_new_matched_tokens": int(
+            "refill" in parts
+        ),
+        "DecodeBenchConnector.update_state_after_alloc": int("prefix-hit" in parts),
     }
 
 
@@ -181,6 +204,22 @@ def decision_lines(report: dict, decision: str) -> int:
     ours = re.escape(metadata.version("vllm-kvfill-patch"))
     line = rf"vllm-kvfill-patch {decision} for vLLM \S+ \(hot-fix {ours}\): "
     return len(re.findall(line, output))
+
+
+@contextlib.contextmanager
+def refill_forgotten():
+    """Inside the block a connector may ask for the refill; after it, this
+    process's patch is as if none had (the installer keeps the request)."""
+    import vllm_kvfill_patch
+    from vllm_kvfill_patch import Decision
+
+    try:
+        yield
+    finally:
+        if vllm_kvfill_patch.status().decision is Decision.APPLIED:
+            vllm_kvfill_patch._installer.refill_source = ""
+            vllm_kvfill_patch.revert()
+            assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
 
 
 @contextlib.contextmanager

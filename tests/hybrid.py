@@ -214,3 +214,38 @@ def make_request(request_id: str, prompt_len: int = PROMPT_LEN):
     )
     assert request.status == RequestStatus.WAITING
     return request
+
+
+def scheduler_connector(config, block_sizes: list[int], num_blocks: int = 64):
+    """A real scheduler-role DecodeBenchConnector over one attention group of
+    each block size."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        KVConnectorRole,
+        decode_bench_connector,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    tensors, groups = [], []
+    for index, block_size in enumerate(block_sizes):
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=64,
+            dtype=config.model_config.dtype,
+        )
+        layer = f"model.layers.{index + 1}.self_attn.attn"
+        tensors.append(
+            kv_cache_tensor(KVCacheTensor, num_blocks, spec.page_size_bytes, layer)
+        )
+        groups.append(KVCacheGroupSpec([layer], spec))
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
+    )
+    return decode_bench_connector.DecodeBenchConnector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config
+    )

@@ -14,6 +14,7 @@ import pytest
 
 from tests import children
 from tests.helpers import (
+    DECODE_NODE_DEFAULT,
     NOTHING_WRAPPED,
     applied_parts,
     applied_reason,
@@ -79,18 +80,47 @@ KILL_SWITCH_CASES = {
 }
 
 
-def test_refill_switched_off_leaves_the_scheduler_side_to_upstream(vllm_version):
+def test_by_default_a_preempted_request_is_recomputed_as_on_a_decode_node(
+    vllm_version,
+):
     report = run_fresh(
-        children.run_steps,
+        children.semantics_report,
         ["import package", "load plugins", "import connector"],
-        env={"KVFILL_PATCH_REFILL": "0"},
     )
-    parts = [part for part in applied_parts(vllm_version) if part != "refill"]
+    assert report["status"]["parts"] == applied_parts(vllm_version)
+    assert report["status"]["reason"].endswith(DECODE_NODE_DEFAULT)
+    assert (report["refill"], report["zero-token"]) == ("upstream", "not offered")
+
+
+REFILL_SWITCHES = {
+    "1": (True, "a decode node with an offload tier: a preempted request filled "
+          "again (KVFILL_PATCH_REFILL=1)"),
+    "0": (False, "a decode node's: each request filled once, a preempted request "
+          "recomputed (KVFILL_PATCH_REFILL=0)"),
+    "maybe": (False, "a decode node's: each request filled once, a preempted "
+              "request recomputed (the refill is opt-in: refill_preempted in the "
+              "connector's options; KVFILL_PATCH_REFILL='maybe' is neither 1 nor "
+              "0, ignored)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("switch", REFILL_SWITCHES)
+def test_the_refill_switch_sets_the_semantics_and_says_so(switch, vllm_version):
+    refill, semantics = REFILL_SWITCHES[switch]
+    report = run_fresh(
+        children.semantics_report,
+        ["import package", "load plugins", "import connector"],
+        env={"KVFILL_PATCH_REFILL": switch},
+    )
+    parts = applied_parts(vllm_version, refill=refill)
     assert report["wrappers"] == wrappers_for(parts)
     assert report["status"]["parts"] == parts
-    assert report["status"]["reason"] == (
-        applied_reason(vllm_version) + " (refill left out: KVFILL_PATCH_REFILL=0)"
+    assert report["status"]["reason"] == applied_reason(
+        vllm_version, f"; semantics: {semantics}"
     )
+    assert report["refill"] == ("refill" if refill else "upstream")
+    # The refill reloads what a preempted request held, generated tokens too.
+    assert report["zero-token"] == ("offered" if refill else "not offered")
 
 
 @pytest.mark.parametrize("case", KILL_SWITCH_CASES)
@@ -144,11 +174,12 @@ def upstream_behaviour(vllm_version: str) -> str:
     return "upstream crash" if crashes else "upstream whole"
 
 
+FILL_ONCE_METHOD = "DecodeBenchConnectorScheduler.update_state_after_alloc"
 REFILL_METHOD = "DecodeBenchConnectorScheduler.get_num_new_matched_tokens"
 FOREIGN_TARGETS = {
     # A plain closure over the scheduler side's method: revert() cannot take
     # ours out from under it, and takes the fill out; apply() must put it back.
-    "plain monkeypatch": REFILL_METHOD,
+    "plain monkeypatch": FILL_ONCE_METHOD,
     "wrapt wrapper": "DecodeBenchConnector.start_load_kv",
 }
 
@@ -165,27 +196,27 @@ def test_revert_and_apply_hold_under_another_patch(foreign, vllm_version):
     steps = {entry["step"] + str(i): entry for i, entry in enumerate(report["after"])}
     upstream = upstream_behaviour(vllm_version)
     assert steps["revert0"]["decision"] == "reverted"
-    assert (steps["revert0"]["behaviour"], steps["revert0"]["refill"]) == (
+    assert (steps["revert0"]["behaviour"], steps["revert0"]["zero-token"]) == (
         upstream,
-        "upstream",
+        "offered",
     )
     assert steps["apply1"]["decision"] == "applied"
     assert steps["apply1"]["reason"] == applied_reason(vllm_version)
-    assert (steps["apply1"]["behaviour"], steps["apply1"]["refill"]) == (
+    assert (steps["apply1"]["behaviour"], steps["apply1"]["zero-token"]) == (
         "patched",
-        "refill",
+        "not offered",
     )
     assert steps["apply3"]["decision"] == "disabled"
-    assert (steps["apply3"]["behaviour"], steps["apply3"]["refill"]) == (
+    assert (steps["apply3"]["behaviour"], steps["apply3"]["zero-token"]) == (
         upstream,
-        "upstream",
+        "offered",
     )
     if foreign == "plain monkeypatch":
         # Ours cannot be spliced out from under a plain closure: it stays,
         # passing calls through, and the status says so.
         stuck = (
             "; another library's plain wrapper sits above ours on "
-            f"{REFILL_METHOD}: ours stays in place and passes every call through"
+            f"{FILL_ONCE_METHOD}: ours stays in place and passes every call through"
         )
         assert steps["revert0"]["reason"] == "reverted by revert()" + stuck
         assert steps["apply3"]["reason"] == "KVFILL_PATCH_DISABLE is set" + stuck
@@ -194,14 +225,15 @@ def test_revert_and_apply_hold_under_another_patch(foreign, vllm_version):
 
 
 def test_a_wrapper_of_ours_lost_under_a_closure_stays_off(vllm_version):
-    """A closure without ``__wrapped__`` over our refill wrapper hides it and
-    its signature: revert() loses track of ours, apply() refuses, and ours
-    under the closure must not come back on."""
+    """A closure without ``__wrapped__`` over our refill wrapper (switched on)
+    hides it and its signature: revert() loses track of ours, apply()
+    refuses, and ours under the closure must not come back on."""
     report = run_fresh(
         children.foreign_patch_report,
         "closure without __wrapped__",
         ["revert", "apply"],
         REFILL_METHOD,
+        env={"KVFILL_PATCH_REFILL": "1"},
     )
     assert report["raised"] is None
     reverted, applied = report["after"]

@@ -1,22 +1,24 @@
-"""A preempted request is filled again, not prefilled for real.
+"""What the scheduler side fills: once per request by default, as a decode
+node takes a request's KV once; a preempted request again where the refill
+is asked for; the blocks after a prefix-cache hit.
 
 Scheduler side of the real DecodeBenchConnector of the installed release,
-with real ``Request`` objects, preempted the way ``Scheduler._preempt_request``
-does it. Tests marked ``behaviour`` also run against the patch files (see
-test_connector.py); the others compare with upstream's own behaviour.
+with real ``Request`` objects, scheduled and preempted the way vLLM's
+``Scheduler`` does it. Tests marked ``behaviour`` also run against the patch
+files (see test_connector.py); the others compare with upstream's own
+behaviour.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import applied_parts, overlay_reverted
-from tests.hybrid import BLOCK_SIZE, PROMPT_LEN, kv_cache_tensor, make_request
+from tests.helpers import applied_parts, overlay_reverted, refill_forgotten
+from tests.hybrid import BLOCK_SIZE, PROMPT_LEN, make_request, scheduler_connector
 from vllm_kvfill_patch.releases import parse_release
 
 behaviour = pytest.mark.behaviour
 pytestmark = pytest.mark.usefixtures("implementation")
-NUM_BLOCKS = 64
 GENERATED = 3
 
 
@@ -28,57 +30,30 @@ def connector(vllm_config_for):
     return scheduler_connector(config, [BLOCK_SIZE])
 
 
-def scheduler_connector(config, block_sizes: list[int]):
-    """A real scheduler-role DecodeBenchConnector over one attention group of
-    each block size."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import (
-        KVConnectorRole,
-        decode_bench_connector,
-    )
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-
-    tensors, groups = [], []
-    for index, block_size in enumerate(block_sizes):
-        spec = FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=1,
-            head_size=64,
-            dtype=config.model_config.dtype,
-        )
-        layer = f"model.layers.{index + 1}.self_attn.attn"
-        tensors.append(
-            kv_cache_tensor(KVCacheTensor, NUM_BLOCKS, spec.page_size_bytes, layer)
-        )
-        groups.append(KVCacheGroupSpec([layer], spec))
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups
-    )
-    return decode_bench_connector.DecodeBenchConnector(
-        config, KVConnectorRole.SCHEDULER, kv_cache_config
-    )
+@pytest.fixture
+def refill_connector(vllm_config_for):
+    """The same, with the refill asked for in its options."""
+    config = vllm_config_for(fill_mean=0.5, refill_preempted=True)
+    config.cache_config.block_size = BLOCK_SIZE
+    with refill_forgotten():
+        yield scheduler_connector(config, [BLOCK_SIZE])
 
 
 def schedule(connector, request, first_block: int, num_computed_tokens: int = 0):
     """One scheduling of `request` as vLLM's scheduler does it: matched
-    tokens, allocation of fresh blocks from `first_block` on, then the
-    step's metadata. Returns (matched tokens, the step's reqs_to_fill)."""
+    tokens, allocation of fresh blocks from `first_block` on (told to the
+    connector whatever was matched), then the step's metadata. Returns
+    (matched tokens, the step's reqs_to_fill)."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
     matched, _ = connector.get_num_new_matched_tokens(request, num_computed_tokens)
-    if matched:
-        count = -(-request.num_tokens // BLOCK_SIZE)
-        blocks = [
-            KVCacheBlock(block_id)
-            for block_id in range(first_block, first_block + count)
-        ]
-        connector.update_state_after_alloc(request, KVCacheBlocks((blocks,)), matched)
+    count = -(-request.num_tokens // BLOCK_SIZE)
+    blocks = [
+        KVCacheBlock(block_id) for block_id in range(first_block, first_block + count)
+    ]
+    connector.update_state_after_alloc(request, KVCacheBlocks((blocks,)), matched)
     metadata = connector.build_connector_meta(None)
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = num_computed_tokens + matched
@@ -96,7 +71,30 @@ def generate_and_preempt(request, tokens: int = GENERATED) -> None:
 
 
 @behaviour
-def test_a_resumed_request_is_filled_again_at_its_new_blocks(connector):
+def test_by_default_a_resumed_request_is_recomputed_as_on_a_decode_node(connector):
+    request = make_request("r")
+    matched, fills = schedule(connector, request, first_block=1)
+    assert matched == PROMPT_LEN - 1 and list(fills) == ["r"]
+    generate_and_preempt(request)
+    assert schedule(connector, request, first_block=20) == (0, {})
+
+
+@behaviour
+def test_a_one_token_prompt_is_never_offered_its_history_after_a_preemption(
+    connector,
+):
+    """#57419: a request admitted with nothing to fill is filled once too."""
+    request = make_request("one", prompt_len=1)
+    assert schedule(connector, request, first_block=1) == (0, {})
+    generate_and_preempt(request)
+    assert schedule(connector, request, first_block=20) == (0, {})
+
+
+@behaviour
+def test_with_the_refill_a_resumed_request_is_filled_again_at_its_new_blocks(
+    refill_connector,
+):
+    connector = refill_connector
     request = make_request("r")
     matched, fills = schedule(connector, request, first_block=1)
     assert matched == PROMPT_LEN - 1 and list(fills) == ["r"]
@@ -111,7 +109,10 @@ def test_a_resumed_request_is_filled_again_at_its_new_blocks(connector):
 
 
 @behaviour
-def test_a_resumed_request_after_a_prefix_cache_hit_fills_the_rest(connector):
+def test_with_the_refill_a_resumed_request_after_a_hit_fills_the_rest(
+    refill_connector,
+):
+    connector = refill_connector
     request = make_request("r")
     schedule(connector, request, first_block=1)
     generate_and_preempt(request)
@@ -223,7 +224,8 @@ def test_null_blocks_are_never_recorded(connector):
 
 
 @behaviour
-def test_a_refill_happens_once_per_scheduling(connector):
+def test_a_refill_happens_once_per_scheduling(refill_connector):
+    connector = refill_connector
     request = make_request("r")
     schedule(connector, request, first_block=1)
     generate_and_preempt(request)
@@ -249,7 +251,8 @@ def test_a_running_request_is_still_filled_once(connector):
 
 
 @behaviour
-def test_finish_and_abort_clean_up_after_a_refill(connector):
+def test_finish_and_abort_clean_up_after_a_refill(refill_connector):
+    connector = refill_connector
     for finish in ("request_finished", "abort"):
         request = make_request(finish)
         schedule(connector, request, first_block=1)
@@ -268,17 +271,22 @@ def upstream_and_overlay(scenario) -> dict:
     return {"upstream": upstream, "overlay": scenario("overlay")}
 
 
-def test_upstream_prefills_a_resumed_request_and_the_overlay_does_not(connector):
-    def resume(name):
+def test_upstream_and_the_overlay_recompute_a_resumed_request_by_default(
+    connector, refill_connector
+):
+    def resume(connector, name):
         request = make_request(name)
         schedule(connector, request, first_block=1)
         generate_and_preempt(request)
         return schedule(connector, request, first_block=20)
 
-    results = upstream_and_overlay(resume)
-    # Upstream: nothing matched, so vLLM would prefill 43 tokens for real.
-    assert results["upstream"] == (0, {})
-    assert results["overlay"][0] == PROMPT_LEN + GENERATED - 1
+    results = upstream_and_overlay(lambda name: resume(connector, name))
+    # Nothing matched: vLLM recomputes its 43 tokens, as a decode node would.
+    assert results == {"upstream": (0, {}), "overlay": (0, {})}
+    # Asked for, the overlay fills it again; upstream has no such option.
+    refilled = upstream_and_overlay(lambda name: resume(refill_connector, name))
+    assert refilled["upstream"] == (0, {})
+    assert refilled["overlay"][0] == PROMPT_LEN + GENERATED - 1
 
 
 def test_upstream_up_to_0_29_fills_the_hit_and_the_overlay_does_not(
@@ -297,7 +305,9 @@ def test_upstream_up_to_0_29_fills_the_hit_and_the_overlay_does_not(
         assert results["upstream"] == (matched, {"upstream": (([2, 3],), matched)})
 
 
-def test_a_never_filled_request_is_handled_as_upstream_handles_it(connector):
+def test_upstream_offers_a_one_token_prompts_history_and_the_overlay_does_not(
+    connector,
+):
     def resume_unfilled(name):
         request = make_request(f"{name}-one-token", prompt_len=1)
         first = schedule(connector, request, first_block=1)
@@ -305,5 +315,6 @@ def test_a_never_filled_request_is_handled_as_upstream_handles_it(connector):
         return first, schedule(connector, request, first_block=20)[0]
 
     results = upstream_and_overlay(resume_unfilled)
-    assert results["upstream"][0][0] == 0  # a one-token prompt: nothing to fill
-    assert results["overlay"] == results["upstream"]
+    # A one-token prompt: nothing to fill at first; after a preemption with
+    # 3 generated tokens upstream offers those 3 as external KV (#57419).
+    assert results == {"upstream": ((0, {}), GENERATED), "overlay": ((0, {}), 0)}

@@ -40,8 +40,8 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
     assert packaged == {p.name for s in patches_by_release().values() for p in s}
 
 
-HOT_FIX = {"__init__", "decision_log", "fill", "gating", "preemption", "prefix_hit"}
-HOT_FIX |= {"releases", "worker_step"}
+HOT_FIX = {"__init__", "decision_log", "fill", "fill_once", "gating", "options"}
+HOT_FIX |= {"preemption", "prefix_hit", "releases", "switches", "worker_step"}
 FIDELITY_TOOL = {"__init__", "__main__", "cores", "ideal", "model", "modes", "probe"}
 FIDELITY_TOOL |= {"report", "serve", "values"}
 
@@ -67,7 +67,7 @@ def test_importing_the_package_imports_none_of_its_tools():
     )
     printed = ast.literal_eval(done.stdout)
     imported = {m.removeprefix("vllm_kvfill_patch") for m in printed}
-    assert imported == {"", ".decision_log", ".gating", ".releases"}
+    assert imported == {"", ".decision_log", ".gating", ".releases", ".switches"}
 
 
 def test_the_wheel_carries_its_license_and_version():
@@ -105,7 +105,7 @@ def test_status_command_names_and_prints_the_patch_from_the_wheel(
 def test_entry_point_of_the_wheel_patches_a_spawned_child(tmp_path):
     report = run_fresh(children.spawned_child_report, cwd=tmp_path)
     assert report["imported_before_plugins"] is False
-    assert report["wrappers"]["start_load_kv"] == 1
+    assert report["wrappers"]["DecodeBenchConnector.start_load_kv"] == 1
     assert report["status"]["decision"] == "applied"
     package_file = run_fresh(children.package_location, cwd=tmp_path)["file"]
     assert "site-packages" in package_file

@@ -8,8 +8,12 @@ module's structure whether the patch is needed (``gating``) and installs it
 ``vllm.general_plugins`` entry point calls :func:`load_vllm_plugin` in every
 vLLM process, so spawned engine-core and worker processes are patched too.
 
-Set ``KVFILL_PATCH_DISABLE=1`` to leave vLLM untouched, ``KVFILL_PATCH_REFILL=0``
-to leave out the refill of preempted requests (``preemption``) alone.
+The benchmark keeps a decode node's semantics: each request is filled once,
+and a request vLLM preempts is recomputed when it resumes. The refill of
+preempted requests (``preemption``), which emulates a node with an offload
+tier, is an option: ``refill_preempted`` in the connector's
+``kv_connector_extra_config``, or ``KVFILL_PATCH_REFILL=1``. Set
+``KVFILL_PATCH_DISABLE=1`` to leave vLLM untouched (``switches``).
 
 Promises, whatever other patches sit on the same methods: :func:`apply`,
 :func:`revert`, :func:`status`, the plugin entry and the import hook never
@@ -35,10 +39,12 @@ from typing import Any
 
 import wrapt
 
-from vllm_kvfill_patch import decision_log
+from vllm_kvfill_patch import decision_log, switches
 from vllm_kvfill_patch.gating import (
     CONNECTOR_MODULE,
     FILL,
+    FILL_ONCE,
+    OPTIONS,
     PREFIX_HIT,
     REFILL,
     Decision,
@@ -58,10 +64,14 @@ __all__ = [
 __version__ = importlib.metadata.version("vllm-kvfill-patch")
 """This hot-fix's version (pyproject.toml; CHANGELOG.md says what each has)."""
 
-KILL_SWITCH = "KVFILL_PATCH_DISABLE"
+KILL_SWITCH = switches.KILL_SWITCH
 _DISABLED_REASON = f"{KILL_SWITCH} is set"
-REFILL_SWITCH = "KVFILL_PATCH_REFILL"
-"""``0`` leaves the refill of preempted requests out (upstream's behaviour)."""
+REFILL_SWITCH = switches.REFILL_SWITCH
+
+DECODE_NODE = (
+    "a decode node's: each request filled once, a preempted request recomputed"
+)
+OFFLOAD_TIER = "a decode node with an offload tier: a preempted request filled again"
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,18 @@ class PatchStatus:
     reason: str
     parts: tuple[str, ...] = ()
     """The parts of the patch active in this process: "fill" (worker side,
-    ``worker_step``), "refill" and "prefix-hit" (scheduler side, ``preemption``,
-    ``prefix_hit``)."""
+    ``worker_step``), "fill-once", "prefix-hit" and the opt-in "refill"
+    (scheduler side: ``fill_once``, ``prefix_hit``, ``preemption``), and
+    "options" (the connector's options checked: ``options``)."""
+
+    @property
+    def semantics(self) -> str:
+        """What the benchmark emulates after a preemption, in words: a decode
+        node's recompute, or (the opt-in refill) a node with an offload tier;
+        upstream's own where the patch is not applied."""
+        if self.decision is not Decision.APPLIED:
+            return "upstream's (this package is not applied)"
+        return OFFLOAD_TIER if REFILL in self.parts else DECODE_NODE
 
 
 @dataclass
@@ -91,6 +111,12 @@ class _Installer:
     applied_reason: str = ""
     """Why the gating applied the patch, for when a kept wrapper is re-armed."""
     applied_parts: tuple[str, ...] = ()
+    refill_available: bool = False
+    """Upstream recomputes preempted requests here: the refill can be opted
+    into (by a connector's options, after the decision)."""
+    refill_source: str = ""
+    """What asked for the refill in a connector's options, once one did: it
+    stays in force through revert() and apply()."""
     status: PatchStatus = PatchStatus(
         None, Decision.PENDING, "the connector module is not imported yet"
     )
@@ -193,14 +219,12 @@ def _on_connector_import(module: ModuleType) -> None:
             return
         try:
             verdict = judge(module, _vllm_version())
-            reason, parts = verdict.reason, verdict.parts
-            if REFILL in parts and _refill_switched_off():
-                parts = tuple(part for part in parts if part != REFILL)
-                reason += f" (refill left out: {REFILL_SWITCH}=0)"
+            parts, reason = _with_semantics(verdict.parts, verdict.reason, verdict)
             if verdict.decision is Decision.APPLIED:
                 _install(module, parts)
                 _installer.applied_reason = reason
                 _installer.applied_parts = parts
+                _installer.refill_available = verdict.refill_available
             _decide(verdict.decision, reason, parts)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's import
             leftover = ""
@@ -214,14 +238,70 @@ def _on_connector_import(module: ModuleType) -> None:
             )
 
 
+def _with_semantics(
+    parts: tuple[str, ...], reason: str, verdict: Any
+) -> tuple[tuple[str, ...], str]:
+    """The parts and reason with the refill as the switch (else a connector's
+    options, once one asked) sets it, and the semantics in force said."""
+    if verdict.decision is not Decision.APPLIED:
+        return parts, reason
+    if not verdict.refill_available:
+        return parts, f"{reason}; semantics: upstream's refill after preemption"
+    switch, source = switches.refill_switch(), _installer.refill_source
+    if switch is True or (switch is None and source):
+        why = f"{REFILL_SWITCH}=1" if switch else source
+        return (*parts, REFILL), f"{reason}; semantics: {OFFLOAD_TIER} ({why})"
+    if switch is False:
+        why = f"{REFILL_SWITCH}=0"
+    else:
+        why = "the refill is opt-in: refill_preempted in the connector's options"
+        if unknown := switches.refill_switch_unknown():
+            why += f"; {REFILL_SWITCH}={unknown!r} is neither 1 nor 0, ignored"
+    return parts, f"{reason}; semantics: {DECODE_NODE} ({why})"
+
+
+def refill_opted_in(source: str) -> None:
+    """A connector's options asked for the refill (``options``): put it in,
+    and say so in this process's status. Never raises."""
+    with _installer.lock:
+        try:
+            _installer.refill_source = source
+            if (
+                not _installer.refill_available
+                or REFILL in _installer.applied_parts
+                or switches.refill_switch() is False
+            ):
+                return
+            defects = _installer.applied_reason.split("; semantics: ")[0]
+            parts = (*_installer.applied_parts, REFILL)
+            reason = f"{defects}; semantics: {OFFLOAD_TIER} ({source})"
+            _installer.applied_parts, _installer.applied_reason = parts, reason
+            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
+                _install(sys.modules[CONNECTOR_MODULE], parts)
+                _decide(Decision.APPLIED, reason, parts)
+        except Exception as exc:  # noqa: BLE001 - never fail building a connector
+            _decide(
+                Decision.REFUSED,
+                f"installing the refill failed: {type(exc).__name__}: {exc}",
+            )
+
+
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
     # Imported here: they import vLLM's logger, and vLLM is loaded by now.
-    from vllm_kvfill_patch import preemption, prefix_hit, worker_step
+    from vllm_kvfill_patch import (
+        fill_once,
+        options,
+        preemption,
+        prefix_hit,
+        worker_step,
+    )
 
     wrappers: dict[str, dict[str, Any]] = {
         FILL: worker_step.WRAPPERS,
-        REFILL: preemption.WRAPPERS,
+        FILL_ONCE: fill_once.WRAPPERS,
         PREFIX_HIT: prefix_hit.WRAPPERS,
+        OPTIONS: options.WRAPPERS,
+        REFILL: preemption.WRAPPERS,
     }
     for part in parts:
         for path, wrapper in wrappers[part].items():
@@ -330,18 +410,7 @@ def _connector_exists() -> bool:
 
 
 def _kill_switch_on() -> bool:
-    return _env_switch(KILL_SWITCH) not in ("", *_OFF)
-
-
-def _refill_switched_off() -> bool:
-    return _env_switch(REFILL_SWITCH) in _OFF
-
-
-_OFF = ("0", "false", "no")
-
-
-def _env_switch(name: str) -> str:
-    return os.environ.get(name, "").strip().lower()
+    return switches.kill_switch_on()
 
 
 def _vllm_version() -> str | None:

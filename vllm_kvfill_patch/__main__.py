@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
     print(f"parts:        {', '.join(current.parts) or 'none'}")
+    print(f"semantics:    {current.semantics}")
     print(f"reason:       {current.reason}")
     if series:
         print(

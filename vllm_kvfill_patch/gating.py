@@ -25,11 +25,18 @@ MATCHED_SIGNATURE = ("self", "request", "num_computed_tokens")
 
 FILL = "fill"
 """The worker-side part: fill by block, once per step (``worker_step``)."""
-REFILL = "refill"
-"""The scheduler-side part: fill a preempted request again (``preemption``)."""
+FILL_ONCE = "fill-once"
+"""The scheduler-side part: remember a request admitted with nothing to fill
+(``fill_once``)."""
 PREFIX_HIT = "prefix-hit"
 """The scheduler-side part: fill the blocks after a prefix-cache hit
 (``prefix_hit``)."""
+OPTIONS = "options"
+"""The connector's options checked when it is built, the refill's opt-in
+read (``options``)."""
+REFILL = "refill"
+"""The opt-in scheduler-side part: fill a preempted request again
+(``preemption``), for a decode node with an offload tier."""
 
 
 class Decision(str, enum.Enum):
@@ -48,7 +55,11 @@ class Verdict:
     decision: Decision
     reason: str
     parts: tuple[str, ...] = ()
-    """The parts of the patch this connector needs (FILL, REFILL)."""
+    """The parts of the patch this connector needs (FILL, FILL_ONCE,
+    PREFIX_HIT, OPTIONS)."""
+    refill_available: bool = False
+    """Whether upstream leaves a preempted request to be recomputed, so
+    that the opt-in REFILL part can change that."""
 
 
 def judge(module: ModuleType, vllm_version: str | None) -> Verdict:
@@ -64,6 +75,7 @@ def judge(module: ModuleType, vllm_version: str | None) -> Verdict:
             Decision.INERT,
             f"{structural.reason}, although vLLM {vllm_version} is expected to "
             "need the patch (a patched or fixed connector)",
+            refill_available=structural.refill_available,
         )
     return structural
 
@@ -127,8 +139,10 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
             )
             if found
         ]
-        refill = _probe_refill(module.DecodeBenchConnectorScheduler)
-        prefix_hit = _probe_prefix_hit(module.DecodeBenchConnectorScheduler)
+        scheduler_cls = module.DecodeBenchConnectorScheduler
+        refill_available = _probe_refill(scheduler_cls)
+        zero_token_fill = _probe_zero_token_fill(scheduler_cls)
+        prefix_hit = _probe_prefix_hit(scheduler_cls)
     except Exception as exc:  # noqa: BLE001 - any failure means "unknown"
         return Verdict(
             Decision.REFUSED,
@@ -143,20 +157,23 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
         )
     parts = (
         ((FILL,) if defects else ())
-        + ((REFILL,) if refill else ())
+        + ((FILL_ONCE,) if zero_token_fill else ())
         + ((PREFIX_HIT,) if prefix_hit else ())
     )
     if not parts:
         return Verdict(
             Decision.INERT,
             "upstream fills only the requested rows, once per step, in place, "
-            "fills a preempted request again, and fills after a prefix-cache hit",
+            "each request once, and the blocks after a prefix-cache hit",
+            refill_available=refill_available,
         )
-    if refill:
-        defects.append(DEFECTS["no_refill"])
+    if zero_token_fill:
+        defects.append(DEFECTS["zero_token_fill"])
     if prefix_hit:
         defects.append(DEFECTS["hit_blocks"])
-    return Verdict(Decision.APPLIED, "; ".join(defects), parts)
+    return Verdict(
+        Decision.APPLIED, "; ".join(defects), (*parts, OPTIONS), refill_available
+    )
 
 
 def bare_worker(
@@ -248,7 +265,8 @@ def _probe_step_temporaries(module: ModuleType, worker_cls: type) -> bool:
 
 def _probe_refill(scheduler_cls: type) -> bool:
     """Whether a request the scheduler side filled before is told 0 matched
-    tokens when it comes back preempted (so vLLM would prefill it for real)."""
+    tokens when it comes back preempted (so vLLM recomputes it, as a decode
+    node does, and the opt-in refill can change that)."""
     scheduler, request = preempted_after_a_fill(scheduler_cls)
     matched = upstream_function(scheduler_cls, "get_num_new_matched_tokens")
     num_tokens, _ = matched(scheduler, request, 0)
@@ -262,8 +280,8 @@ def preempted_after_a_fill(scheduler_cls: type) -> tuple[Any, Any]:
     request come back preempted: 7 tokens to match, or 0 without a refill."""
     from vllm.v1.request import RequestStatus
 
-    scheduler: Any = object.__new__(scheduler_cls)
-    scheduler._filled_requests, scheduler._pending_fills = {"probe"}, {}
+    scheduler = bare_scheduler(scheduler_cls)
+    scheduler._filled_requests.add("probe")
     request = SimpleNamespace(
         request_id="probe",
         num_tokens=8,
@@ -274,18 +292,63 @@ def preempted_after_a_fill(scheduler_cls: type) -> tuple[Any, Any]:
     return scheduler, request
 
 
-def _probe_prefix_hit(scheduler_cls: type) -> bool:
-    """Whether, after a one-block prefix-cache hit, upstream records the hit
-    block (the first blocks) rather than the blocks after it."""
+def _probe_zero_token_fill(scheduler_cls: type) -> bool:
+    """Whether a one-token prompt, admitted with nothing to fill, is offered
+    its 3 generated tokens when it comes back preempted (#57419)."""
+    offered = offered_after_a_zero_token_fill(
+        bare_scheduler(scheduler_cls),
+        upstream_function(scheduler_cls, "get_num_new_matched_tokens"),
+        upstream_function(scheduler_cls, "update_state_after_alloc"),
+    )
+    if offered not in (0, 3):
+        raise ValueError(f"expected 0 or 3 matched tokens, got {offered}")
+    return offered == 3
+
+
+def offered_after_a_zero_token_fill(scheduler: Any, matched: Any, record: Any) -> int:
+    """The tokens `matched` (the scheduler side's ``get_num_new_matched_tokens``)
+    offers a one-token prompt that `record` (``update_state_after_alloc``)
+    admitted with nothing to fill, back after a preemption with 3 generated."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
 
+    request = SimpleNamespace(
+        request_id="probe",
+        num_tokens=1,
+        num_computed_tokens=0,
+        num_preemptions=0,
+        status=RequestStatus.WAITING,
+    )
+    first, _ = matched(scheduler, request, 0)
+    if first != 0:
+        raise ValueError(f"expected 0 matched tokens for one token, got {first}")
+    record(scheduler, request, KVCacheBlocks(([KVCacheBlock(4)],)), 0)
+    request.num_tokens, request.num_preemptions = 4, 1
+    request.status = RequestStatus.PREEMPTED
+    offered, _ = matched(scheduler, request, 0)
+    return offered
+
+
+def bare_scheduler(scheduler_cls: type) -> Any:
+    """A scheduler side with only what upstream's scheduling methods read
+    (one group of 2-token blocks), in every known release."""
     scheduler: Any = object.__new__(scheduler_cls)
     scheduler._filled_requests, scheduler._pending_fills = set(), {}
     scheduler.block_size = 2  # up to 0.29
     scheduler.kv_cache_groups = [SimpleNamespace(kv_cache_spec=None)]  # 0.30+
     scheduler.group_block_sizes, scheduler._startup_fill_group_ids = (2,), set()
     scheduler.startup_fill, scheduler._non_transfer_group_ids = False, set()  # 0.34+
+    return scheduler
+
+
+def _probe_prefix_hit(scheduler_cls: type) -> bool:
+    """Whether, after a one-block prefix-cache hit, upstream records the hit
+    block (the first blocks) rather than the blocks after it."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    scheduler = bare_scheduler(scheduler_cls)
     # 7 tokens: 6 to have computed, 2 of them (block 4) hit, 4 matched.
     request = SimpleNamespace(request_id="probe", num_tokens=7)
     blocks = KVCacheBlocks(([KVCacheBlock(block_id) for block_id in (4, 5, 6, 7)],))

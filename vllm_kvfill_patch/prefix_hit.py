@@ -56,6 +56,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_kvfill_patch.fill_once import allocation_arguments
+
 logger = init_logger("vllm.kvfill_patch")
 
 
@@ -64,7 +66,7 @@ def record_blocks_after_hit(
 ) -> Any:
     """Wrapper of ``DecodeBenchConnector.update_state_after_alloc``."""
     result = wrapped(*args, **kwargs)
-    request, blocks, num_external_tokens = _arguments(*args, **kwargs)
+    request, blocks, num_external_tokens = allocation_arguments(*args, **kwargs)
     scheduler = connector.connector_scheduler
     pending = scheduler._pending_fills.get(request.request_id)
     if pending is None or num_external_tokens <= 0:
@@ -139,9 +141,3 @@ WRAPPERS = {
     "DecodeBenchConnector.update_state_after_alloc": record_blocks_after_hit,
 }
 """The attributes this part wraps, by dotted path in the connector module."""
-
-
-def _arguments(
-    request: Any, blocks: Any, num_external_tokens: int
-) -> tuple[Any, Any, int]:
-    return request, blocks, num_external_tokens

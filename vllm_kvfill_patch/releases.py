@@ -23,7 +23,8 @@ DEFECTS = {
     "whole_states": "_fill_blocks fills list/tuple state tensors whole",
     "kernel_row": "a kernel-split attention cache gets kernel row b, not block b",
     "temporaries": "each request's fill builds a temporary the size of its region",
-    "no_refill": "a preempted request is not filled again (vLLM prefills it)",
+    "zero_token_fill": "a request admitted with nothing to fill (a one-token prompt) "
+    "is offered its generated tokens as external KV after a preemption (#57419)",
     "hit_blocks": "after a prefix-cache hit the cached blocks are filled, not the "
     "request's own",
 }
@@ -56,7 +57,7 @@ class ReleaseRange:
 
 
 _GROUP_0 = "every layer is mapped to group 0"
-_ROW_FIXES = ("kernel_row", "temporaries", "no_refill")
+_IN_EVERY_RELEASE = ("kernel_row", "temporaries", "zero_token_fill")
 _KEPT_FROM_0_31 = (
     "a device sync per request x layer. Kept from upstream: per-layer fp8, "
     "zero-filled circular buffers, startup_fill, get_loaded_kv_cache_group_ids"
@@ -70,32 +71,36 @@ SUPPORT_POLICY = (
         (0, 11, 1),
         (0, 24, 0),
         APPLIED,
-        ("crashes", *_ROW_FIXES, "hit_blocks"),
+        ("crashes", *_IN_EVERY_RELEASE, "hit_blocks"),
         f"{_GROUP_0}; FlashAttention's (2, num_blocks, ...) cache is indexed on dim 0",
     ),
     ReleaseRange(
         (0, 24, 0),
         (0, 30, 0),
         APPLIED,
-        ("whole_states", *_ROW_FIXES, "hit_blocks"),
+        ("whole_states", *_IN_EVERY_RELEASE, "hit_blocks"),
         f"the whole-state fill (#45080) overwrites other requests' states; {_GROUP_0}",
     ),
     ReleaseRange(
         (0, 30, 0),
         (0, 31, 0),
         APPLIED,
-        ("whole_states", *_ROW_FIXES),
+        ("whole_states", *_IN_EVERY_RELEASE),
         "a device sync per request x layer; fp8 (uint8) caches get the value "
         "cast to an integer",
     ),
     ReleaseRange(
-        (0, 31, 0), (0, 34, 0), APPLIED, ("whole_states", *_ROW_FIXES), _KEPT_FROM_0_31
+        (0, 31, 0),
+        (0, 34, 0),
+        APPLIED,
+        ("whole_states", *_IN_EVERY_RELEASE),
+        _KEPT_FROM_0_31,
     ),
     ReleaseRange(
         (0, 34, 0),
         None,
         APPLIED,
-        ("whole_states", *_ROW_FIXES),
+        ("whole_states", *_IN_EVERY_RELEASE),
         f"{_KEPT_FROM_0_31}, no blocks recorded for groups outside KV transfer "
         "(HiSparse's hot and resident tiers)",
     ),

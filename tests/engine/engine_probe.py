@@ -152,7 +152,9 @@ def install_spy(record: Callable[[dict], None]) -> None:
 
 def record_schedules(record: Callable[[dict], None]) -> None:
     """After every ``Scheduler.schedule``, give `record` what it scheduled
-    (tokens per request id) and which requests it preempted."""
+    (tokens per request id), each scheduled request's tokens and the tokens
+    it had computed before the step (a prefix-cache hit, or what the
+    connector matched), and which requests it preempted."""
     import wrapt
     from vllm.v1.core.sched import scheduler
 
@@ -165,7 +167,19 @@ def record_schedules(record: Callable[[dict], None]) -> None:
     def on_schedule(wrapped, instance, args, kwargs):
         output = wrapped(*args, **kwargs)
         scheduled = dict(output.num_scheduled_tokens)
-        record({"scheduled": scheduled, "preempted": list(preempted)})
+        requests = {rid: instance.requests[rid] for rid in scheduled}
+        record(
+            {
+                "scheduled": scheduled,
+                "tokens": {rid: r.num_tokens for rid, r in requests.items()},
+                # schedule() has advanced num_computed_tokens by the step's.
+                "computed_before": {
+                    rid: r.num_computed_tokens - scheduled[rid]
+                    for rid, r in requests.items()
+                },
+                "preempted": list(preempted),
+            }
+        )
         preempted.clear()
         return output
 
@@ -318,6 +332,11 @@ def main(options: dict) -> dict:
     if shared_prefix:
         overrides["enable_prefix_caching"] = True
         overrides["max_model_len"] = shared_prefix["prompt"] + 8
+    if options.get("connector_options"):
+        overrides["kv_transfer_config"] = {
+            **tiny_model.DECODE_BENCH_CONNECTOR,
+            "kv_connector_extra_config": options["connector_options"],
+        }
     if "async_scheduling" in options:
         overrides["async_scheduling"] = options["async_scheduling"]
     if options.get("tensor_parallel", 1) > 1:

@@ -92,6 +92,27 @@ def check_worker_fills(trace: Trace, pid: int) -> int:
     return total
 
 
+def resumptions(steps: list[dict]) -> list[dict]:
+    """Each step that resumed a request vLLM had preempted: its tokens, those
+    it had computed before the step (a prefix-cache hit, or what the
+    connector matched) and those the step computed."""
+    found, waiting = [], set()
+    for step in steps:
+        for request_id, tokens in step["scheduled"].items():
+            if request_id in waiting:
+                found.append(
+                    {
+                        "request": request_id,
+                        "tokens": step["tokens"][request_id],
+                        "before": step["computed_before"][request_id],
+                        "computed": tokens,
+                    }
+                )
+                waiting.discard(request_id)
+        waiting.update(step["preempted"])
+    return found
+
+
 def admissions(steps: list[dict]) -> dict[str, list[int]]:
     """Per request, the tokens computed in the step that admitted it and in
     each step that resumed it after a preemption."""
@@ -127,10 +148,15 @@ def check_a_prefix_hit_fills_only_after_it(report: dict) -> None:
     assert not set(second) & set(first[:hit])
 
 
-def serve_command(model: Path, *arguments: str) -> list[str]:
+def serve_command(
+    model: Path, *arguments: str, connector_options: dict | None = None
+) -> list[str]:
     """`vllm serve` of a tiny model (dummy weights, no tokenizer) through
-    DecodeBenchConnector, with `arguments` added."""
-    connector = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+    DecodeBenchConnector (with `connector_options` as its extra config),
+    with `arguments` added."""
+    connector: dict = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+    if connector_options:
+        connector["kv_connector_extra_config"] = connector_options
     return [
         str(Path(sys.executable).with_name("vllm")), "serve", str(model),
         "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "256",

@@ -13,6 +13,7 @@ from tests.engine.helpers import (
     admissions,
     check_a_prefix_hit_fills_only_after_it,
     check_every_step_filled_exactly_its_blocks,
+    resumptions,
     run_probe,
 )
 
@@ -54,17 +55,19 @@ PREEMPTION = {"num_gpu_blocks": 17, "requests": 8, "prompt": 200, "output": 120}
 
 
 def run_under_preemption(
-    tmp_path, env: dict, async_scheduling: bool = False
+    tmp_path, env: dict, async_scheduling: bool = False, options: dict | None = None
 ) -> tuple[dict, list[dict]]:
     """The probe's report, and every step the scheduler scheduled: tokens
     per request and the requests it preempted (vLLM's own SchedulerOutput,
     recorded before the model runs)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "schedule.jsonl"
     options = {
         "in_process": True,
         "schedule_log": str(log),
         "preemption": PREEMPTION,
         "async_scheduling": async_scheduling,
+        **(options or {}),
     }
     report = run_probe(options, env=env, may_die=True)
     return report, [json.loads(line) for line in log.read_text().splitlines()]
@@ -75,13 +78,39 @@ def beyond_one_token(steps: list[dict]) -> int:
     return sum(n - 1 for step in steps for n in step["scheduled"].values())
 
 
+REFILL = {"refill_preempted": True}
+
+
+def test_by_default_a_resumed_request_is_recomputed_as_without_the_package(tmp_path):
+    """A decode node recomputes a preempted request: every token it holds
+    but those its prefix cache still has, in the step that resumes it, with
+    the package as without it (the scheduling itself may differ run to run)."""
+    for name, env in (("package", {}), ("disabled", {"KVFILL_PATCH_DISABLE": "1"})):
+        report, steps = run_under_preemption(tmp_path / name, env)
+        assert report["returncode"] == 0, report.get("error")
+        parts = report["workers"][0]["parts"]
+        assert ("refill" in parts, bool(parts)) == (False, name == "package")
+        assert report["generated"] == [PREEMPTION["output"]] * PREEMPTION["requests"]
+        resumed = resumptions(steps)
+        assert len(resumed) == sum(len(step["preempted"]) for step in steps) > 0
+        # Nothing matched by the connector: what it had computed before the
+        # step is a prefix-cache hit (whole blocks of the hybrid's 256-token
+        # attention page, none here), and the rest is computed for real.
+        for resumption in resumed:
+            assert resumption["before"] % 256 == 0
+            assert resumption["computed"] == resumption["tokens"] - resumption["before"]
+            assert resumption["computed"] > PREEMPTION["prompt"]
+        print(f"{name}: recomputed {[r['computed'] for r in resumed]} tokens")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_with_the_refill_every_admission_and_resumption_computes_one_token(
     tmp_path, async_scheduling
 ):
-    report, steps = run_under_preemption(tmp_path, {}, async_scheduling)
+    options = {"connector_options": REFILL}
+    report, steps = run_under_preemption(tmp_path, {}, async_scheduling, options)
     assert report["returncode"] == 0
-    assert report["workers"][0]["parts"] == ["fill", "refill"]
+    assert report["workers"][0]["parts"] == ["fill", "fill-once", "options", "refill"]
     assert report["generated"] == [PREEMPTION["output"]] * PREEMPTION["requests"]
     preemptions = sum(len(step["preempted"]) for step in steps)
     assert preemptions >= 1
@@ -92,19 +121,6 @@ def test_with_the_refill_every_admission_and_resumption_computes_one_token(
     )
     assert all(counts == [1] * len(counts) for counts in admitted.values())
     assert beyond_one_token(steps) == 0
-
-
-def test_without_the_refill_resumed_requests_are_prefilled_for_real(tmp_path):
-    report, steps = run_under_preemption(tmp_path, env={"KVFILL_PATCH_REFILL": "0"})
-    assert report["workers"][0]["parts"] == ["fill"]
-    preemptions = sum(len(step["preempted"]) for step in steps)
-    resumed = [n for counts in admissions(steps).values() for n in counts[1:]]
-    assert preemptions >= 1 and len(resumed) == preemptions
-    # Each resumption recomputes the prompt and the tokens generated so far
-    # (measured here: 4 preemptions, 256 tokens each).
-    assert all(n > PREEMPTION["prompt"] for n in resumed)
-    assert beyond_one_token(steps) >= preemptions * PREEMPTION["prompt"]
-    print(f"upstream: {preemptions} preemptions, re-prefilled {resumed} tokens")
 
 
 def test_a_prefix_cache_hit_fills_the_blocks_after_it_only():

