@@ -461,9 +461,9 @@ def editable_install_points_here(session: nox.Session) -> bool:
     return any(package in finder.read_text() for finder in finders)
 
 
-CHECKOUT_METADATA = ("pyproject.toml",)
+CHECKOUT_METADATA = ("pyproject.toml", "vllm_kvfill_patch/_version.py")
 """What an editable install copies from the checkout (entry points,
-dependencies); the code itself is read from the checkout."""
+dependencies, the version); the code itself is read from the checkout."""
 
 
 def install_record(session: nox.Session, what: str) -> Path:

@@ -40,8 +40,9 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
     assert packaged == {p.name for s in patches_by_release().values() for p in s}
 
 
-HOT_FIX = {"__init__", "decision_log", "fill", "fill_once", "gating", "options"}
-HOT_FIX |= {"preemption", "prefix_hit", "releases", "switches", "worker_step"}
+HOT_FIX = {"__init__", "_version", "decision_log", "fill", "fill_once", "gating"}
+HOT_FIX |= {"options", "preemption", "prefix_hit", "releases", "switches"}
+HOT_FIX |= {"worker_step"}
 FIDELITY_TOOL = {"__init__", "__main__", "cores", "ideal", "model", "modes", "probe"}
 FIDELITY_TOOL |= {"report", "serve", "values"}
 
@@ -67,7 +68,14 @@ def test_importing_the_package_imports_none_of_its_tools():
     )
     printed = ast.literal_eval(done.stdout)
     imported = {m.removeprefix("vllm_kvfill_patch") for m in printed}
-    assert imported == {"", ".decision_log", ".gating", ".releases", ".switches"}
+    assert imported == {
+        "",
+        "._version",
+        ".decision_log",
+        ".gating",
+        ".releases",
+        ".switches",
+    }
 
 
 def test_the_wheel_carries_its_license_and_version():
@@ -111,3 +119,31 @@ def test_entry_point_of_the_wheel_patches_a_spawned_child(tmp_path):
     assert "site-packages" in package_file
     assert not Path(package_file).is_relative_to(Path(__file__).parent.parent)
     assert os.environ.get("PYTHONPATH", "") == ""
+
+
+def test_a_plain_copy_of_the_package_imports_without_installed_metadata(tmp_path):
+    """As Ray's ``runtime_env`` ``py_modules`` or a PYTHONPATH entry ships it:
+    the package's files alone, no distribution metadata to read."""
+    import shutil
+
+    copy = tmp_path / "vllm_kvfill_patch"
+    installed = Path(run_fresh(children.package_location, cwd=tmp_path)["file"])
+    shutil.copytree(installed.parent, copy)
+    code = (
+        "import importlib.metadata as m\n"
+        "def missing(name): raise m.PackageNotFoundError(name)\n"
+        "m.version = m.distribution = missing\n"
+        "import vllm_kvfill_patch\n"
+        "print(vllm_kvfill_patch.__file__, vllm_kvfill_patch.__version__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported, version = done.stdout.split()
+    assert Path(imported).is_relative_to(copy)
+    assert version == installed_distribution().version

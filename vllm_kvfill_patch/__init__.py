@@ -25,7 +25,6 @@ wraps, and the status says so.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import logging
 import multiprocessing
@@ -40,6 +39,7 @@ from typing import Any
 import wrapt
 
 from vllm_kvfill_patch import decision_log, switches
+from vllm_kvfill_patch._version import __version__
 from vllm_kvfill_patch.gating import (
     CONNECTOR_MODULE,
     FILL,
@@ -60,9 +60,6 @@ __all__ = [
     "revert",
     "status",
 ]
-
-__version__ = importlib.metadata.version("vllm-kvfill-patch")
-"""This hot-fix's version (pyproject.toml; CHANGELOG.md says what each has)."""
 
 KILL_SWITCH = switches.KILL_SWITCH
 _DISABLED_REASON = f"{KILL_SWITCH} is set"

@@ -93,23 +93,29 @@ def check_worker_fills(trace: Trace, pid: int) -> int:
 
 
 def resumptions(steps: list[dict]) -> list[dict]:
-    """Each step that resumed a request vLLM had preempted: its tokens, those
-    it had computed before the step (a prefix-cache hit, or what the
-    connector matched) and those the step computed."""
-    found, waiting = [], set()
+    """Each resumption of a request vLLM had preempted: its tokens then, those
+    it had computed before (a prefix-cache hit, or what the connector
+    matched) and those computed to catch up with them, over as many steps
+    as vLLM took (a hybrid model's prefill stops at block boundaries)."""
+    found: list[dict] = []
+    catching_up: dict[str, dict] = {}
+    waiting: set[str] = set()
     for step in steps:
         for request_id, tokens in step["scheduled"].items():
+            before = step["computed_before"][request_id]
             if request_id in waiting:
-                found.append(
-                    {
-                        "request": request_id,
-                        "tokens": step["tokens"][request_id],
-                        "before": step["computed_before"][request_id],
-                        "computed": tokens,
-                    }
-                )
                 waiting.discard(request_id)
+                resumed = {"tokens": step["tokens"][request_id], "before": before}
+                catching_up[request_id] = resumed | {"computed": 0}
+                found.append(catching_up[request_id])
+            resumption = catching_up.get(request_id)
+            if resumption is not None:
+                resumption["computed"] += tokens
+                if before + tokens >= resumption["tokens"]:
+                    del catching_up[request_id]
         waiting.update(step["preempted"])
+        for request_id in step["preempted"]:
+            catching_up.pop(request_id, None)
     return found
 
 
