@@ -282,14 +282,18 @@ def preempted_after_a_fill(scheduler_cls: type) -> tuple[Any, Any]:
 
     scheduler = bare_scheduler(scheduler_cls)
     scheduler._filled_requests.add("probe")
-    request = SimpleNamespace(
+    return scheduler, probe_request(8, RequestStatus.PREEMPTED, num_preemptions=1)
+
+
+def probe_request(num_tokens: int, status: Any, num_preemptions: int = 0) -> Any:
+    """Request "probe", with what the scheduler side's methods read."""
+    return SimpleNamespace(
         request_id="probe",
-        num_tokens=8,
+        num_tokens=num_tokens,
         num_computed_tokens=0,
-        num_preemptions=1,
-        status=RequestStatus.PREEMPTED,
+        num_preemptions=num_preemptions,
+        status=status,
     )
-    return scheduler, request
 
 
 def _probe_zero_token_fill(scheduler_cls: type) -> bool:
@@ -313,13 +317,7 @@ def offered_after_a_zero_token_fill(scheduler: Any, matched: Any, record: Any) -
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
-    request = SimpleNamespace(
-        request_id="probe",
-        num_tokens=1,
-        num_computed_tokens=0,
-        num_preemptions=0,
-        status=RequestStatus.WAITING,
-    )
+    request = probe_request(1, RequestStatus.WAITING)
     first, _ = matched(scheduler, request, 0)
     if first != 0:
         raise ValueError(f"expected 0 matched tokens for one token, got {first}")
