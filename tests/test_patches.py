@@ -85,8 +85,8 @@ def test_overlay_stays_out_of_a_patched_connector(patched_connector, vllm_versio
         "decision": "inert",
         "version": vllm_version,
         "reason": "upstream fills only the requested rows, once per step, in "
-        "place, fills a preempted request again, and fills after a prefix-cache "
-        "hit, although vLLM "
+        "place, each request once, and the blocks after a prefix-cache hit, "
+        "although vLLM "
         f"{vllm_version} is expected to need the patch (a patched or fixed "
         "connector)",
         "parts": [],

@@ -23,7 +23,9 @@ How
     finish and abort is upstream's (``request_finished``).
 
 Upstream
-    #57419 (open): remember zero-token fills. ``patches/v0.34.0`` carries it.
+    #57419 (open): remember zero-token fills. ``patches/v0.34.0/0004``
+    carries it (``patches/v0.33.0/0004`` and ``patches/v0.23.0/0004`` for
+    forks).
 
 Versions
     Every release with the connector (0.11.1 - 0.34 today): the gating

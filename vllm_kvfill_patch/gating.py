@@ -330,13 +330,14 @@ def offered_after_a_zero_token_fill(scheduler: Any, matched: Any, record: Any) -
 
 def bare_scheduler(scheduler_cls: type) -> Any:
     """A scheduler side with only what upstream's scheduling methods read
-    (one group of 2-token blocks), in every known release."""
+    (one group of 2-token blocks), in every known release and in patches/."""
     scheduler: Any = object.__new__(scheduler_cls)
     scheduler._filled_requests, scheduler._pending_fills = set(), {}
     scheduler.block_size = 2  # up to 0.29
     scheduler.kv_cache_groups = [SimpleNamespace(kv_cache_spec=None)]  # 0.30+
     scheduler.group_block_sizes, scheduler._startup_fill_group_ids = (2,), set()
     scheduler.startup_fill, scheduler._non_transfer_group_ids = False, set()  # 0.34+
+    scheduler.refill_preempted = False  # patches/ (0005: off, as upstream)
     return scheduler
 
 

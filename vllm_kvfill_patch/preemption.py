@@ -33,7 +33,9 @@ How
 
 Upstream
     #25986 (the connector; "only fill once per request"). No release has the
-    option; ``patches/v0.34.0/0005`` proposes it, off by default.
+    option; ``patches/v0.34.0/0005`` proposes it as ``refill_preempted``, off
+    by default (``patches/v0.33.0/0005`` and ``patches/v0.23.0/0005`` for
+    forks).
 
 Versions
     Every release with the connector (0.11.1 - 0.34 today): the gating
