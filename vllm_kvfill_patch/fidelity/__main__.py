@@ -108,8 +108,8 @@ class Run:
             f"{name}: modes {', '.join(m.name for m in case.modes)}; C="
             f"{', '.join(map(str, case.concurrencies))}; {rounds} rounds"
         )
-        error = self.start(server)
-        try:
+        try:  # stopped from outside while it starts too
+            error = self.start(server)
             if error is not None:
                 self.say(f"{name}: did not run: {error}")
                 for mode in case.modes:

@@ -41,9 +41,10 @@ def draw(found: list[Row], path: Path, title: str) -> str:
 
 
 def distances(axis: Any, main: list[Row], key: str, tolerance: float) -> None:
-    """Each compared mode's estimate, its interval as an error bar, side by
-    side at each concurrency; the bar's band shaded."""
-    modes = sorted({row.key.mode for row in main if row.ratios})
+    """Each connector mode's estimate, its interval as an error bar, side by
+    side at each concurrency; the bar's band shaded. Real prefill, which
+    differs by a prefill's cost, is in the table only."""
+    modes = sorted({row.key.mode for row in main if row.ratios and row.mode.setting})
     for offset, mode in enumerate(modes):
         points = [
             (row.key.concurrency, ratio)

@@ -51,8 +51,12 @@ def report(
     print(f"\npicture: {draw(found, output / 'decode.png', title)}")
     for server in servers:
         decisions = collections.Counter(server.decisions())
-        said = ", ".join(f"{d} ({n} processes)" for d, n in decisions.items())
-        print(f"{server.name}: this package's decision lines: {said or 'none'}")
+        said = ", ".join(f"{d} {n}" for d, n in decisions.items())
+        switched = f"; {server.switches} switches, each checked in every process"
+        print(
+            f"{server.name}: this package's decision lines: {said or 'none'}"
+            + (switched if server.switches else "")
+        )
     print(f"servers started: {len(servers)} ({', '.join(s.name for s in servers)})")
     (output / "summary.json").write_text(json.dumps(summary(cells, servers), indent=1))
     print(f"the full table (table.md, .csv, .json), vLLM's result files and the "
