@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import random
@@ -298,3 +299,43 @@ def test_a_setting_crosses_the_control_channel_and_each_process_is_checked():
         "decision reverted, not applied; writes True, not False; "
         "refill [True], not False"
     )
+
+
+def test_settling_adds_rounds_of_the_package_and_the_ideal_where_undecided(
+    tmp_path, capsys
+):
+    from vllm_kvfill_patch.fidelity.__main__ import Run
+
+    run = Run(["--model", "m", "--output-dir", str(tmp_path), "--concurrency", "1",
+               "8", "--thorough"])  # fmt: skip
+    assert run.plan.settle_minutes == 15
+    run.measurer.cells = {
+        Key("main", 1, "ideal"): cell(ONES, ONES),
+        Key("main", 1, "package"): cell(STEADY, STEADY),
+        Key("main", 8, "ideal"): cell(ONES, ONES),
+        Key("main", 8, "package"): cell(SPREAD, STEADY),
+    }
+    measured = []
+
+    def round_(server, case, number):
+        measured.append(([m.name for m in case.modes], case.concurrencies, number))
+        # Rounds that agree with the ideal: the interval narrows into the bar.
+        for mode in case.modes:
+            legs = synthetic_legs([1.0] * 40, [1.0] * 40)
+            for leg in legs:
+                leg["round"] += number
+            run.measurer.cells[Key("main", 8, mode.name)].legs += legs
+
+    run.measurer.round = round_
+    run.settle(None, run.plan.main, 6, 5)
+    # Only C = 8 was undecided; upstream is not measured again.
+    assert measured == [(["package", "ideal"], (8,), 6)]
+    said = capsys.readouterr().out
+    assert "settle: the package undecided at C=(8,); round 7" in said
+    assert "settle: 1 more rounds" in said
+    # Without the package or the ideal, nothing is added.
+    measured.clear()
+    run.measurer.cells[Key("main", 8, "package")] = cell(SPREAD, STEADY)
+    without = dataclasses.replace(run.plan.main, modes=(UPSTREAM, PACKAGE))
+    run.settle(None, without, 6, 5)
+    assert measured == []
