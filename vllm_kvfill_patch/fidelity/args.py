@@ -20,7 +20,7 @@ THOROUGH_COST = (
     f"{THOROUGH.rounds} rounds of {THOROUGH.steps_per_run} decode steps, then up "
     f"to {THOROUGH.settle_minutes:g} minutes of more rounds where the package's "
     f"interval reaches both sides of the bar, and the step-by-step comparison "
-    f"of the fill's values ({THOROUGH.value_cycles} cycles): about 40 minutes "
+    f"of the fill's values ({THOROUGH.value_cycles} cycles): 25 - 40 minutes "
     f"on 2 cores, against about 7 for the default ({QUICK.rounds} rounds of "
     f"{QUICK.steps_per_run} steps)"
 )
