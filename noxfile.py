@@ -120,13 +120,14 @@ def ci_sessions() -> list[str]:
     last to end is a short one (under `ci`: `engine(0.32.0)` about 5 min,
     with the fidelity tool's test; `engine(0.23.0)` and an `upstream` 1 - 2
     min, a connector release 0.5 - 1.5, the wheel 0.5, an inert release,
-    lint and policy seconds). Lint and policy go first all the same: they
-    fail fastest."""
+    lint, policy and report seconds). Lint, policy and report go first all
+    the same: they fail fastest."""
     releases = applied_releases()
     patched = [v for v in releases if v in patch_releases()]
     return [
         "lint",
         "policy",
+        "report",
         *(f"engine({v})" for v in reversed(ENGINES)),
         *(f"upstream({v})" for v in reversed(patched)),
         *(f"connector({v})" for v in patched),
@@ -188,6 +189,15 @@ def policy(session: nox.Session) -> None:
     sync(session, "policy")
     install_checkout(session)
     session.run("pytest", "tests/test_policy.py", *session.posargs)
+
+
+@nox.session
+def report(session: nox.Session) -> None:
+    """The fidelity tool's statistics, plan, options and report, without vLLM
+    (its runs against real servers are in `engine`)."""
+    sync(session, "report")
+    install_checkout(session)
+    session.run("pytest", "tests/test_report.py", *session.posargs)
 
 
 @nox.session
@@ -360,6 +370,7 @@ def lock_recipes(
     recipes = [
         ("lint", LINT_TOOLS, []),
         ("policy", [WRAPT, "nox", *TEST_TOOLS], []),
+        ("report", [WRAPT, "numpy", PLOT, *TEST_TOOLS], []),
     ]
     releases = [(f"connector-{v}", v, TORCH_CPU, []) for v in TESTED]
     releases += [

@@ -43,8 +43,9 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
 HOT_FIX = {"__init__", "_version", "decision_log", "fill", "fill_once", "gating"}
 HOT_FIX |= {"options", "preemption", "prefix_hit", "releases", "switches"}
 HOT_FIX |= {"worker_step"}
-FIDELITY_TOOL = {"__init__", "__main__", "cores", "ideal", "model", "modes", "probe"}
-FIDELITY_TOOL |= {"report", "serve", "values"}
+FIDELITY_TOOL = {"__init__", "__main__", "args", "client", "connector", "cores"}
+FIDELITY_TOOL |= {"measure", "model", "modes", "picture", "plan", "probe"}
+FIDELITY_TOOL |= {"report", "serve", "stats", "summary", "switch", "values"}
 
 
 def test_the_wheel_holds_the_hot_fix_its_status_command_and_the_fidelity_tool():

@@ -1,20 +1,28 @@
-"""The ways the tool serves a model: what each mode is and how it is started."""
+"""The ways the tool serves a model: real prefill, and the connector modes
+one server switches between (`switch`).
+
+Every connector mode keeps a decode node's semantics (a preempted request is
+recomputed), so that they differ in the fill alone; the refill after
+preemption is a labelled pair of its own, off by default (docs/benchmark.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 CONNECTOR = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
-NO_WRITE_CONNECTOR = {
-    "kv_connector": "NoWriteDecodeBenchConnector",
-    "kv_connector_module_path": "vllm_kvfill_patch.fidelity.ideal",
+"""Upstream's connector, as users configure it (`values` serves it)."""
+SWITCHED_CONNECTOR = {
+    "kv_connector": "SwitchedDecodeBenchConnector",
+    "kv_connector_module_path": "vllm_kvfill_patch.fidelity.connector",
     "kv_role": "kv_both",
 }
+"""The connector the tool's connector server runs (`connector`)."""
 
 
-def add_fill_config_argument(parser: argparse.ArgumentParser) -> None:
+def add_fill_config_argument(parser: argparse._ActionsContainer) -> None:
     """`--fill-config`: the connector's fill options, as the tool's commands
     take them."""
     parser.add_argument(
@@ -24,50 +32,76 @@ def add_fill_config_argument(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """What a connector mode switches in each of vLLM's processes."""
+
+    package: bool
+    """This package applied (else reverted: upstream's connector)."""
+    writes: bool
+    """The worker writes the fill (else nothing: the ideal)."""
+    refill: bool
+    """A preempted request is filled again (a decode node with an offload
+    tier) instead of recomputed."""
+
+    def encoded(self) -> str:
+        """One word, for the probe's control channel."""
+        return ",".join(f"{k}={int(v)}" for k, v in vars(self).items())
+
+    @classmethod
+    def decoded(cls, word: str) -> Setting:
+        fields = dict(item.split("=") for item in word.split(","))
+        return cls(**{key: value == "1" for key, value in fields.items()})
+
+
+@dataclass(frozen=True)
 class Mode:
     name: str
     description: str
-    connector: dict | None
-    decision: str
-    """What this package's decision line says in the mode's processes."""
-    env: dict[str, str] = field(default_factory=dict)
+    setting: Setting | None
+    """None: real prefill, a server of its own without a connector."""
+    reference: str | None
+    """The mode it is held to; None for a reference itself."""
 
-    def serve_arguments(self, extra_config: dict) -> list[str]:
-        if self.connector is None:
-            return []
-        config = dict(self.connector)
-        if extra_config:
-            config["kv_connector_extra_config"] = extra_config
-        return ["--kv-transfer-config", json.dumps(config)]
+    @property
+    def decision(self) -> str:
+        """This package's decision in the mode's processes."""
+        return "applied" if self.setting and self.setting.package else "reverted"
 
 
-MODES = {
-    mode.name: mode
-    for mode in (
-        Mode(
-            "prefill",
-            "real prefill, no connector, vLLM alone",
-            None,
-            "disabled",
-            {"KVFILL_PATCH_DISABLE": "1"},
-        ),
-        Mode(
-            "upstream",
-            "the connector as released (KVFILL_PATCH_DISABLE=1)",
-            CONNECTOR,
-            "disabled",
-            {"KVFILL_PATCH_DISABLE": "1"},
-        ),
-        Mode("package", "the connector with this package", CONNECTOR, "applied"),
-        Mode(
-            "ideal",
-            "upstream's scheduler side, with the package's corrections, "
-            "and a worker that writes nothing",
-            NO_WRITE_CONNECTOR,
-            "applied",
-        ),
-    )
-}
-"""Every mode, in the table's order; `ideal` is what the others are held to."""
-IDEAL = "ideal"
-PACKAGE = "package"
+PREFILL = Mode("prefill", "real prefill, no connector", None, "ideal")
+UPSTREAM = Mode(
+    "upstream", "the connector as released", Setting(False, True, False), "ideal"
+)
+PACKAGE = Mode(
+    "package", "the connector with this package", Setting(True, True, False), "ideal"
+)
+IDEAL = Mode(
+    "ideal",
+    "the package's scheduler side, a worker that writes nothing",
+    Setting(True, False, False),
+    None,
+)
+REFILL = Mode(
+    "package+refill",
+    "the package, preempted requests filled again (a decode node with an offload tier)",
+    Setting(True, True, True),
+    "ideal+refill",
+)
+IDEAL_REFILL = Mode(
+    "ideal+refill",
+    "the ideal, preempted requests filled again",
+    Setting(True, False, True),
+    None,
+)
+MODES = {m.name: m for m in (PREFILL, UPSTREAM, PACKAGE, IDEAL, REFILL, IDEAL_REFILL)}
+"""Every mode, in the table's order."""
+DEFAULT_MODES = (PREFILL, UPSTREAM, PACKAGE, IDEAL)
+REFILL_PAIR = (REFILL, IDEAL_REFILL)
+
+
+def serve_arguments(extra_config: dict) -> list[str]:
+    """The connector server's `--kv-transfer-config`."""
+    config: dict[str, object] = dict(SWITCHED_CONNECTOR)
+    if extra_config:
+        config["kv_connector_extra_config"] = extra_config
+    return ["--kv-transfer-config", json.dumps(config)]

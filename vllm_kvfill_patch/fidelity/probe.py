@@ -32,6 +32,10 @@ write): written twice a second, as they were, they fell on about one step in
   cores and niceness of its threads, as the thread that answers the tool
   has them (the tool moves every thread of a process alike: ``cores``), at
   the last question: where each process ran in the last run.
+- ``switch`` (every process, once switched): the connector mode in force
+  (`switch.in_force`). A question may carry a mode's `modes.Setting`: the
+  process puts it in force (`switch.to`) before it answers, so that one
+  server serves every connector mode, switched between legs.
 - ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
@@ -95,6 +99,7 @@ class Counters:
         self.fill_seconds = 0.0
         self.fill_histogram = [0] * FILL_BUCKETS
         self.kernels: list[str] = []
+        self.switched: dict | None = None
 
     def snapshot(self, question: int) -> dict:
         if not self.kernels:
@@ -105,6 +110,7 @@ class Counters:
                 "answered": question,
                 "kernels": self.kernels,
                 "placement": placement(),
+                "switch": self.switched,
                 "reprefilled_tokens": self.reprefilled_tokens,
                 "expert_forwards": self.expert_forwards,
                 "expert_imbalance_sum": float(imbalance),
@@ -123,12 +129,31 @@ class Counters:
     def answer(self, questions: int) -> None:
         """Saves the counters at start (a process that ends before the tool
         asks still leaves its name) and at each question read from the
-        FIFO `questions` (blocking: no wake-up in between)."""
+        FIFO `questions` (blocking: no wake-up in between), after putting in
+        force the mode a question carries."""
         self.save(0)
         while True:
-            asked = os.read(questions, 4096).split()
-            if asked:  # questions under PIPE_BUF bytes arrive whole
-                self.save(int(asked[-1]))
+            # Questions under PIPE_BUF bytes arrive whole, a line each.
+            for line in os.read(questions, 4096).decode().splitlines():
+                question, _, setting = line.partition(" ")
+                if setting:
+                    self.switch(setting)
+                self.save(int(question))
+
+    def switch(self, setting: str) -> None:
+        """Put the mode `setting` (`modes.Setting.encoded`) in force, and
+        keep what then holds (or why it failed) for the answer."""
+        from vllm_kvfill_patch.fidelity import switch
+        from vllm_kvfill_patch.fidelity.modes import Setting
+
+        if not switch.has_connector():
+            self.switched = {"skipped": "no connector in this process"}
+            return
+        try:
+            switch.to(Setting.decoded(setting))
+            self.switched = switch.in_force()
+        except Exception as error:  # noqa: BLE001 - the tool reports it
+            self.switched = {"error": f"{type(error).__name__}: {error}"}
 
 
 def listen(path: Path) -> int:
@@ -144,10 +169,13 @@ def listen(path: Path) -> int:
     return questions
 
 
-def ask(directory: Path, question: int) -> None:
+def ask(directory: Path, question: int, setting: str = "") -> list[Path]:
     """Has every live process that counts into `directory` save its counters,
-    marked `question` (larger than any asked before), and waits until each
-    has. A process whose FIFO has no reader has ended; its last counts stay."""
+    marked `question` (larger than any asked before), after putting the mode
+    `setting` in force where one is given, and waits until each has; returns
+    their counters' files. A process whose FIFO has no reader has ended; its
+    last counts stay."""
+    message = f"{question} {setting}".strip() + "\n"
     waiting = []
     for fifo in directory.glob("*.ask"):
         try:
@@ -155,16 +183,18 @@ def ask(directory: Path, question: int) -> None:
         except OSError:  # ENXIO: no reader
             continue
         try:
-            os.write(writer, f"{question}\n".encode())
+            os.write(writer, message.encode())
         finally:
             os.close(writer)
         waiting.append(fifo.with_suffix(".json"))
+    asked = list(waiting)
     deadline = time.monotonic() + ANSWER_SECONDS
     while waiting := [path for path in waiting if answered(path) < question]:
         if time.monotonic() > deadline:
             names = ", ".join(path.stem for path in waiting)
             raise RuntimeError(f"the probe in process {names} did not answer")
         time.sleep(0.005)
+    return asked
 
 
 def answered(path: Path) -> int:

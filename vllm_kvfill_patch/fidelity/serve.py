@@ -1,9 +1,9 @@
-"""`vllm serve` and `vllm bench serve` as the tool runs them."""
+"""`vllm serve` as the tool runs it: started with the probe in every
+process, its processes placed (`cores`), its counters read, and its
+connector mode switched (`switch`) and checked in every process."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
 import re
@@ -16,8 +16,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvfill_patch.fidelity import probe
+from vllm_kvfill_patch.fidelity import probe, switch
 from vllm_kvfill_patch.fidelity.cores import Placement
+from vllm_kvfill_patch.fidelity.modes import Setting
 
 COUNTS = (
     "reprefilled_tokens",
@@ -79,7 +80,9 @@ class Server:
     process: subprocess.Popen | None = None
     placement: Placement | None = None
     questions: int = 0
-    """Questions asked of its probes (`counters`)."""
+    """Questions asked of its probes (`counters`, `switch`)."""
+    switches: int = 0
+    """Switches of its connector mode, each checked in every process."""
 
     @property
     def log(self) -> Path:
@@ -182,6 +185,31 @@ class Server:
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
 
+    def switch(self, setting: Setting) -> None:
+        """Puts `setting` in force in every process of the server, and checks
+        that each did: raises RuntimeError naming each that did not, or where
+        no process has the tool's connector on both sides."""
+        self.questions += 1
+        answered = probe.ask(self.probe_dir, self.questions, setting.encoded())
+        problems, roles = [], set()
+        for path in answered:
+            state = json.loads(path.read_text())["switch"] or {"error": "no answer"}
+            name = f"process {path.stem}"
+            if "error" in state:
+                problems.append(f"{name}: {state['error']}")
+            elif said := switch.mismatch(setting, state):
+                problems.append(f"{name}: {said}")
+            else:
+                roles.update(state.get("connectors", []))
+        if not problems and not {"SCHEDULER", "WORKER"} <= roles:
+            problems.append(f"connectors seen: {sorted(roles)}, not both sides")
+        if problems:
+            raise RuntimeError(
+                f"{self.name}: not switched to {setting.encoded()}: "
+                + "; ".join(problems)
+            )
+        self.switches += 1
+
     def metric(self, name: str) -> float:
         """A Prometheus counter, summed over its labels."""
         with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as page:
@@ -231,133 +259,3 @@ def first_error(log: str) -> str:
         return exception
     lines = log.strip().splitlines()
     return lines[-1].strip() if lines else "exited with no output"
-
-
-BURST_SECONDS = 1e-4
-"""Two streamed chunks of a request that vLLM's client timed this close were
-read at once: they had waited for it in a buffer."""
-
-
-def read_in_bursts(result: dict) -> int:
-    """Requests of a `vllm bench serve` result (saved with `--save-detailed`)
-    whose tokens its client read mostly in bursts: over half their
-    inter-token latencies under `BURST_SECONDS`. Their TPOT and ITL are not
-    the server's (a whole output read at once times as TPOT 0): the client
-    or the API server was kept off the CPU while the engine went on. On two
-    cores this happens: vLLM's engine core spin-waits on its worker."""
-    return sum(
-        1
-        for itls in result.get("itls", [])
-        if itls and 2 * sum(itl < BURST_SECONDS for itl in itls) > len(itls)
-    )
-
-
-def client_error(result: dict) -> str | None:
-    """The exception vLLM's client ended its first failed request with (the
-    last line of its traceback), from a result saved with `--save-detailed`."""
-    for error in result.get("errors", []):
-        if error and error.strip():
-            return error.strip().splitlines()[-1]
-    return None
-
-
-def bench(
-    server: Server,
-    model: str,
-    tokenizer: str,
-    concurrency: int,
-    prompts: int,
-    input_len: int,
-    output_len: int,
-    seed: int,
-    result: Path,
-    extra: list[str],
-) -> dict:
-    """One run of vLLM's own `vllm bench serve` against `server` (its code,
-    in this process: a new interpreter would import vLLM again every run);
-    its result JSON (with each request's timings and error), also left at
-    `result`, its output beside it."""
-    from vllm.benchmarks.serve import add_cli_args, main
-
-    arguments = [
-        "--backend", "vllm", "--base-url", server.base_url,
-        "--model", model, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(input_len),
-        "--random-output-len", str(output_len), "--ignore-eos",
-        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-        "--request-rate", "inf", "--seed", str(seed), "--disable-tqdm",
-        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--save-result", "--save-detailed", "--result-dir", str(result.parent),
-        "--result-filename", result.name, *extra,
-    ]  # fmt: skip
-    parser = argparse.ArgumentParser(prog="vllm bench serve")
-    add_cli_args(parser)
-    log = result.with_suffix(".log")
-    with log.open("w") as out, contextlib.redirect_stdout(out):
-        try:
-            main(parser.parse_args(arguments))
-        except Exception as error:  # a cell of the table says it
-            raise RuntimeError(
-                f"vllm bench serve failed: {type(error).__name__}: {error}"
-            ) from error
-    return json.loads(result.read_text())
-
-
-PERCENTILE_KEY = re.compile(r"p(\d+(?:\.\d+)?)_(ttft|tpot|itl)_ms")
-"""How vLLM's result names a percentile of a metric: `p99_itl_ms`."""
-
-
-def request_seconds(result: dict) -> dict[str, list[float]]:
-    """A run's samples of each metric vLLM takes percentiles of, in seconds,
-    as `calculate_metrics` in vllm/benchmarks/serve.py takes them: a TTFT per
-    request, a TPOT per request of more than one output token, every ITL."""
-    seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
-    for ttft, latency, length, itls in zip(
-        result["ttfts"], result["latencies"], result["output_lens"],
-        result["itls"], strict=True,
-    ):  # fmt: skip
-        seconds["ttft"].append(ttft)
-        seconds["itl"] += itls
-        if length > 1:
-            seconds["tpot"].append((latency - ttft) / (length - 1))
-    return seconds
-
-
-def combined(results: list[dict]) -> dict:
-    """The figures of runs of `vllm bench serve` (saved with
-    `--save-detailed`, every request completed) taken as one run: vLLM's
-    own formulas (`calculate_metrics` in vllm/benchmarks/serve.py) over all
-    their requests, their durations added; the lists stay in vLLM's files.
-    For one run, its own figures again (to float rounding)."""
-    import numpy as np
-
-    figures = {k: v for k, v in results[0].items() if not isinstance(v, list)}
-    for key in (
-        "num_prompts", "completed", "failed", "duration",
-        "total_input_tokens", "total_output_tokens",
-    ):  # fmt: skip
-        figures[key] = sum(result[key] for result in results)
-    for key in ("max_output_tokens_per_s", "max_concurrent_requests"):
-        figures[key] = max(result[key] for result in results)
-    duration = figures["duration"]
-    tokens = figures["total_input_tokens"] + figures["total_output_tokens"]
-    figures.update(
-        request_throughput=figures["completed"] / duration,
-        output_throughput=figures["total_output_tokens"] / duration,
-        total_token_throughput=tokens / duration,
-    )
-    seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
-    for result in results:
-        for metric, values in request_seconds(result).items():
-            seconds[metric] += values
-    for metric, values in seconds.items():
-        taken = values or [0.0]
-        figures[f"mean_{metric}_ms"] = float(np.mean(taken)) * 1000
-        figures[f"median_{metric}_ms"] = float(np.median(taken)) * 1000
-        figures[f"std_{metric}_ms"] = float(np.std(taken)) * 1000
-    for key in list(figures):
-        if match := PERCENTILE_KEY.fullmatch(key):
-            percentile, metric = float(match[1]), match[2]
-            taken = seconds[metric] or [0.0]
-            figures[key] = float(np.percentile(taken, percentile)) * 1000
-    return figures

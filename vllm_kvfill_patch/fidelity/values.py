@@ -44,7 +44,7 @@ from vllm_kvfill_patch.fidelity.model import (
     write_embedded_model,
 )
 from vllm_kvfill_patch.fidelity.modes import CONNECTOR, add_fill_config_argument
-from vllm_kvfill_patch.fidelity.report import paired_ratio
+from vllm_kvfill_patch.fidelity.stats import paired_ratio
 
 VOCABULARY: int = TINY_HYBRID_MOE["vocab_size"]  # type: ignore[assignment]
 STATES = ("real", "fill", "zero")

@@ -1,0 +1,190 @@
+"""vLLM's own `vllm bench serve`, as the tool runs it, and its figures.
+
+A leg is one run of vLLM's client (its code, in this process); a round's
+figures are vLLM's own formulas over its legs' requests (`combined`). A leg
+whose figures are not the server's (requests lost, or read in bursts by a
+client kept off the CPU) is taken again (`rerun_reason`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls")
+"""The request lists of vLLM's result a cell keeps (`combined` and the
+comparison with the ideal read them); the rest stay in vLLM's file."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every leg asks of a server: the random dataset's lengths, with
+    `--ignore-eos`, and the user's own options for `vllm bench serve`."""
+
+    model: str
+    tokenizer: str
+    input_len: int
+    output_len: int
+    extra: list[str] = field(default_factory=list)
+
+
+def bench(
+    base_url: str,
+    workload: Workload,
+    concurrency: int,
+    prompts: int,
+    seed: int,
+    result: Path,
+) -> dict:
+    """One run of vLLM's own `vllm bench serve` against the server at
+    `base_url` (its code, in this process: a new interpreter would import
+    vLLM again every run); its result JSON (with each request's timings and
+    error), also left at `result`, its output beside it."""
+    from vllm.benchmarks.serve import add_cli_args, main
+
+    arguments = [
+        "--backend", "vllm", "--base-url", base_url,
+        "--model", workload.model, "--tokenizer", workload.tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(workload.input_len),
+        "--random-output-len", str(workload.output_len), "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--request-rate", "inf", "--seed", str(seed), "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+        "--result-filename", result.name, *workload.extra,
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    log = result.with_suffix(".log")
+    with log.open("w") as out, contextlib.redirect_stdout(out):
+        try:
+            main(parser.parse_args(arguments))
+        except Exception as error:  # a cell of the table says it
+            raise RuntimeError(
+                f"vllm bench serve failed: {type(error).__name__}: {error}"
+            ) from error
+    return json.loads(result.read_text())
+
+
+def failed_requests(figures: dict) -> str | None:
+    """How many of a run's requests failed and the client's first error, or
+    None when every one completed."""
+    failed = figures["num_prompts"] - figures["completed"]
+    if not failed:
+        return None
+    why = client_error(figures) or "vLLM's client gave no reason"
+    return f"{failed} of {figures['num_prompts']} requests failed: {why}"
+
+
+def rerun_reason(figures: dict) -> str | None:
+    """Why a run of `vllm bench serve` is taken again, or None."""
+    if failure := failed_requests(figures):
+        return failure
+    bursts = read_in_bursts(figures)
+    if bursts:
+        return (
+            f"vLLM's client read {bursts} requests' tokens in bursts (it or the "
+            "API server was kept off the CPU)"
+        )
+    return None
+
+
+def slim(result: dict) -> dict:
+    """A leg's result with its scalars and `SLIM_KEYS` only."""
+    return {
+        key: value
+        for key, value in result.items()
+        if key in SLIM_KEYS or not isinstance(value, list)
+    }
+
+
+BURST_SECONDS = 1e-4
+"""Two streamed chunks of a request that vLLM's client timed this close were
+read at once: they had waited for it in a buffer."""
+
+
+def read_in_bursts(result: dict) -> int:
+    """Requests of a `vllm bench serve` result (saved with `--save-detailed`)
+    whose tokens its client read mostly in bursts: over half their
+    inter-token latencies under `BURST_SECONDS`. Their TPOT and ITL are not
+    the server's (a whole output read at once times as TPOT 0): the client
+    or the API server was kept off the CPU while the engine went on. On two
+    cores this happens: vLLM's engine core spin-waits on its worker."""
+    return sum(
+        1
+        for itls in result.get("itls", [])
+        if itls and 2 * sum(itl < BURST_SECONDS for itl in itls) > len(itls)
+    )
+
+
+def client_error(result: dict) -> str | None:
+    """The exception vLLM's client ended its first failed request with (the
+    last line of its traceback), from a result saved with `--save-detailed`."""
+    for error in result.get("errors", []):
+        if error and error.strip():
+            return error.strip().splitlines()[-1]
+    return None
+
+
+PERCENTILE_KEY = re.compile(r"p(\d+(?:\.\d+)?)_(ttft|tpot|itl)_ms")
+"""How vLLM's result names a percentile of a metric: `p99_itl_ms`."""
+
+
+def request_seconds(result: dict) -> dict[str, list[float]]:
+    """A run's samples of each metric vLLM takes percentiles of, in seconds,
+    as `calculate_metrics` in vllm/benchmarks/serve.py takes them: a TTFT per
+    request, a TPOT per request of more than one output token, every ITL."""
+    seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
+    for ttft, latency, length, itls in zip(
+        result["ttfts"], result["latencies"], result["output_lens"],
+        result["itls"], strict=True,
+    ):  # fmt: skip
+        seconds["ttft"].append(ttft)
+        seconds["itl"] += itls
+        if length > 1:
+            seconds["tpot"].append((latency - ttft) / (length - 1))
+    return seconds
+
+
+def combined(results: list[dict]) -> dict:
+    """The figures of runs of `vllm bench serve` (saved with
+    `--save-detailed`, every request completed) taken as one run: vLLM's
+    own formulas (`calculate_metrics` in vllm/benchmarks/serve.py) over all
+    their requests, their durations added; the lists stay in vLLM's files.
+    For one run, its own figures again (to float rounding)."""
+    import numpy as np
+
+    figures = {k: v for k, v in results[0].items() if not isinstance(v, list)}
+    for key in (
+        "num_prompts", "completed", "failed", "duration",
+        "total_input_tokens", "total_output_tokens",
+    ):  # fmt: skip
+        figures[key] = sum(result[key] for result in results)
+    for key in ("max_output_tokens_per_s", "max_concurrent_requests"):
+        figures[key] = max(result[key] for result in results)
+    duration = figures["duration"]
+    tokens = figures["total_input_tokens"] + figures["total_output_tokens"]
+    figures.update(
+        request_throughput=figures["completed"] / duration,
+        output_throughput=figures["total_output_tokens"] / duration,
+        total_token_throughput=tokens / duration,
+    )
+    seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
+    for result in results:
+        for metric, values in request_seconds(result).items():
+            seconds[metric] += values
+    for metric, values in seconds.items():
+        taken = values or [0.0]
+        figures[f"mean_{metric}_ms"] = float(np.mean(taken)) * 1000
+        figures[f"median_{metric}_ms"] = float(np.median(taken)) * 1000
+        figures[f"std_{metric}_ms"] = float(np.std(taken)) * 1000
+    for key in list(figures):
+        if match := PERCENTILE_KEY.fullmatch(key):
+            percentile, metric = float(match[1]), match[2]
+            taken = seconds[metric] or [0.0]
+            figures[key] = float(np.percentile(taken, percentile)) * 1000
+    return figures

@@ -1,0 +1,99 @@
+"""The connector modes, switched inside each of vLLM's processes.
+
+The probe (`probe`) receives a mode's `Setting` on its control channel
+between two legs, while no request runs, and :func:`to` puts it in force:
+this package applied or reverted (`apply()` and `revert()` never raise and
+may be called between steps), the worker's write on or off
+(`connector.SwitchedDecodeBenchConnector`), the refill after preemption on
+or off on each scheduler-side connector. :func:`in_force` reads back what
+holds, for the tool to check in every process that has the connector (a
+process vLLM starts for something else, a resource tracker, is left alone).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any
+
+from vllm_kvfill_patch.fidelity.modes import Setting
+from vllm_kvfill_patch.gating import CONNECTOR_MODULE
+
+REFILL_SOURCE = "the fidelity tool's refill mode"
+
+_lock = threading.Lock()
+_writes = True
+_connectors: weakref.WeakSet = weakref.WeakSet()
+
+
+def register(connector: Any) -> None:
+    """A connector built in this process (`connector`), to be switched."""
+    with _lock:
+        _connectors.add(connector)
+
+
+def writes() -> bool:
+    return _writes
+
+
+def has_connector() -> bool:
+    """Whether this process imported the connector (vLLM's API server, engine
+    core and workers do, through this package's plugin)."""
+    return CONNECTOR_MODULE in sys.modules
+
+
+def to(setting: Setting) -> None:
+    """Put `setting` in force in this process."""
+    global _writes
+    import vllm_kvfill_patch
+    from vllm_kvfill_patch.options import REFILL_ATTR
+
+    with _lock:
+        if setting.package:
+            vllm_kvfill_patch.apply()
+        else:
+            vllm_kvfill_patch.revert()
+        _writes = setting.writes
+        for scheduler in _schedulers():
+            setattr(scheduler, REFILL_ATTR, setting.refill)
+        if setting.refill and setting.package and _schedulers():
+            vllm_kvfill_patch.refill_opted_in(REFILL_SOURCE)
+
+
+def in_force() -> dict:
+    """This process's decision, write and refill now (refill: one entry per
+    scheduler-side connector; connectors: how many of each role)."""
+    import vllm_kvfill_patch
+    from vllm_kvfill_patch.options import REFILL_ATTR
+
+    with _lock:
+        roles = [getattr(getattr(c, "role", None), "name", "?") for c in _connectors]
+        return {
+            "decision": vllm_kvfill_patch.status().decision.value,
+            "writes": _writes,
+            "refill": [getattr(s, REFILL_ATTR, None) for s in _schedulers()],
+            "connectors": sorted(roles),
+        }
+
+
+def mismatch(setting: Setting, state: dict) -> str | None:
+    """How a process's `in_force` state differs from `setting`, or None (also
+    for a process without the connector)."""
+    if "skipped" in state:
+        return None
+    wanted = "applied" if setting.package else "reverted"
+    problems = []
+    if state["decision"] != wanted:
+        problems.append(f"decision {state['decision']}, not {wanted}")
+    if state["writes"] != setting.writes:
+        problems.append(f"writes {state['writes']}, not {setting.writes}")
+    refill = setting.refill and setting.package
+    if any(found is not refill for found in state["refill"]):
+        problems.append(f"refill {state['refill']}, not {refill}")
+    return "; ".join(problems) or None
+
+
+def _schedulers() -> list[Any]:
+    found = (getattr(c, "connector_scheduler", None) for c in _connectors)
+    return [scheduler for scheduler in found if scheduler is not None]
