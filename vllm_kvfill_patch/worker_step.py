@@ -58,6 +58,13 @@ How
     the dtype's finite range; ``startup_fill`` and the scheduler side stay
     upstream's own code.
 
+    A fill asked for while the current CUDA stream is being captured into a
+    graph is not issued (``capturing``, one warning): its index copy from
+    pinned host memory and its rows would be baked into the graph and
+    replayed, with that step's rows, at every later replay. The step is
+    otherwise upstream's: the scheduler side has recorded the requests as
+    filled, as upstream does, and their blocks keep what they hold.
+
 Upstream
     #25986 (the connector), #45080 (the whole-tensor state fill, 0.24.0),
     #54647 (per-group map, 0.30.0), #54879 (zero-filled circular buffers),
@@ -230,6 +237,13 @@ def fill_groups(
     num_blocks = _num_blocks(worker, layout)
     if num_blocks is None:
         return
+    if capturing():
+        logger.warning_once(
+            "vllm-kvfill-patch: a fill was asked for while the current CUDA "
+            "stream is capturing a graph; not filling (a graph would replay "
+            "this step's rows)"
+        )
+        return
     fills = layout.pages_fills.current(worker.kv_caches)
     pending: PagesFill | None = None
     pending_ids: list[int] = []
@@ -254,6 +268,13 @@ def fill_groups(
             pending_groups.append(group_idx)
     if pending is not None:
         _write_pages(pending, pending_ids, pending_groups)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph. Asked only where
+    CUDA is initialised: no graph can be capturing before, and a CPU build's
+    probe raises."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _write_pages(
