@@ -99,12 +99,14 @@ from vllm_kvfill_patch.fill import (
     BlockSet,
     FillReport,
     FillValue,
+    NoiseBank,
     PagesFill,
     Written,
     fill_cache_blocks_,
     fill_state_blocks_,
     find_block_dim,
     group_pages,
+    writes_zeros,
 )
 
 logger = init_logger("vllm.kvfill_patch")
@@ -140,6 +142,8 @@ class CacheLayout:
     views, HiSparse): no block rows to fill, for upstream or for us."""
     pages_fills: PagesFills = field(default_factory=lambda: PagesFills())
     """Per group, how it is filled at once, if it can be."""
+    noise: NoiseBank = field(default_factory=NoiseBank)
+    """The random fills' samples, drawn once for this registration."""
 
 
 @dataclass
@@ -345,12 +349,14 @@ def _fill_layer_by_layer(
         value = fill_value(worker, layout, group_idx, layer_name)
         if isinstance(cache, torch.Tensor):
             states_of = layout.states_of.get(layer_name)
-            report = fill_cache_blocks_(cache, blocks, value, block_size, states_of)
+            report = fill_cache_blocks_(
+                cache, blocks, value, block_size, states_of, layout.noise
+            )
             _log_report(layer_name, report, cache, pool_blocks)
         elif isinstance(cache, (list, tuple)) and all(
             isinstance(state, torch.Tensor) for state in cache
         ):
-            reports = fill_state_blocks_(cache, blocks, value)
+            reports = fill_state_blocks_(cache, blocks, value, layout.noise)
             for state, report in zip(cache, reports, strict=True):
                 _log_report(layer_name, report, state, pool_blocks, state=True)
         else:
@@ -383,6 +389,8 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
     ):
         return None
     (num_blocks,), (value,) = layer_blocks, values
+    if value.std > 0 and writes_zeros(caches[0].dtype, value):
+        value = FillValue(value.mean, 0.0, value.encoding)  # zeros all the same
     if num_blocks is None or value.std > 0:  # samples: layer by layer
         return None
     block_dims = [
