@@ -131,6 +131,9 @@ class Cache:
     block_dim: int = 0
     ratio: int = 1
     states_as: type | None = None
+    offsets: list[torch.Tensor] = field(default_factory=list)
+    """Per tensor, its elements' first bytes, a row per block row (the
+    model's, worked out once)."""
 
     @property
     def registered(self) -> Any:
@@ -342,11 +345,13 @@ def element_bytes(view: torch.Tensor) -> torch.Tensor:
 
 def block_bytes(cache: Cache, block: int) -> list[torch.Tensor]:
     """The byte offsets of `block`'s rows in each of `cache`'s tensors."""
+    if not cache.offsets:
+        for tensor in cache.tensors:
+            rows = element_bytes(tensor.cpu()).movedim(cache.block_dim, 0)
+            cache.offsets.append(rows.reshape(rows.shape[0], -1))
     found = []
-    for tensor in cache.tensors:
-        rows = tensor.movedim(cache.block_dim, 0)
-        rows = rows[block * cache.ratio : (block + 1) * cache.ratio]
-        first = element_bytes(rows.cpu()).flatten()
+    for tensor, offsets in zip(cache.tensors, cache.offsets, strict=True):
+        first = offsets[block * cache.ratio : (block + 1) * cache.ratio].flatten()
         found.append((first[:, None] + torch.arange(tensor.itemsize)).flatten())
     return found
 
@@ -800,12 +805,9 @@ class Step:
         }
         mean, std = value
         self.worker = SimpleNamespace(kv_caches=kv_caches, fill_mean=mean, fill_std=std)
+        # No block sizes: the split is found from the block count alone.
         self.layout = worker_step.CacheLayout(
-            self.num_blocks,
-            None,
-            group_to_layers,
-            dict.fromkeys(group_to_layers, BLOCK_TOKENS),
-            kv_caches,
+            self.num_blocks, None, group_to_layers, kv_caches=kv_caches
         )
 
     def run(self) -> None:
