@@ -376,6 +376,31 @@ def test_ids_outside_the_pool_are_said_once_per_group(vllm_config_for, vllm_log)
     ]
 
 
+def test_raw_mamba_pages_are_written_up_to_their_states_not_the_padding(
+    vllm_config_for,
+):
+    """vLLM 0.27 - 0.28 register a Mamba layer as its raw int8 pages,
+    ``(num_blocks, 1, 1, page)``, the page padded to the attention page; its
+    spec tells the states' size: the bytes after them are never read."""
+    pool = make_pool(NUM_BLOCKS)
+    kv_cache_config = make_kv_cache_config(pool)
+    pool.caches[LINEAR_LAYER] = pool.raw.view(torch.int8).view(
+        NUM_BLOCKS, 1, 1, PAGE_BYTES
+    )
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=0.5), pool, kv_cache_config
+    )
+    before = pool.raw.clone().view(NUM_BLOCKS, PAGE_BYTES)
+    start_fill(connector, {"r": (([2], [5, 7]), 16)})
+    state_bytes = sum(torch.Size(s).numel() for s in GDN_STATES) * 4
+    assert 0 < state_bytes < PAGE_BYTES
+    pages = pool.pages()
+    for block in (5, 7):
+        assert not pages[block][:state_bytes].any()  # int8 pages: zeros
+        assert torch.equal(pages[block][state_bytes:], before[block][state_bytes:])
+    expect_only_pages_changed(pool, before.flatten(), {2, 5, 7})
+
+
 def test_a_fill_asked_for_while_a_graph_is_captured_is_not_issued(
     vllm_config_for, vllm_log, monkeypatch
 ):
