@@ -709,10 +709,18 @@ class NoiseBank:
 
     def __init__(self) -> None:
         self._banks: dict[tuple, torch.Tensor] = {}
+        self._rows: dict[tuple, torch.Tensor] = {}  # a step asks per tensor
 
     def rows(self, like: torch.Tensor, value: FillValue) -> torch.Tensor:
         """The bank's rows for the rows of `like` (its dim 0 indexes rows),
         as a contiguous ``(rows, *like.shape[1:])`` tensor of its dtype."""
+        key = (like.device, like.dtype, value, like.shape[1:])
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = self._bank_rows(like, value)
+        return rows
+
+    def _bank_rows(self, like: torch.Tensor, value: FillValue) -> torch.Tensor:
         row_elements = max(1, math.prod(like.shape[1:]))
         row_bytes = row_elements * like.element_size()
         count = max(NOISE_ROWS, -(-NOISE_BYTES // row_bytes))
@@ -724,6 +732,7 @@ class NoiseBank:
             # Grown, never redrawn: rows already copied stay the bank's rows.
             more = _draw(count * row_elements - bank.numel(), like, value)
             bank = self._banks[key] = torch.cat([bank, more])
+            self._rows.clear()  # views of the bank it replaces
         return bank[: count * row_elements].view(count, *like.shape[1:])
 
     def to(self, device: torch.device) -> NoiseBank:
