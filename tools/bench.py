@@ -14,8 +14,10 @@ original function, unwrapped), called on a worker holding one layer. Run it
 on vLLM 0.24 - 0.29 to see both upstream paths: the attention fill (a
 temporary the size of the filled region, then a scatter) and #45080's
 whole-tensor state fill; on 0.11.1 - 0.23 the state case crashes upstream.
-The limit is an in-place fill (or in-place sampling) of a contiguous buffer
-of the same bytes. Times are medians, the calls a row compares timed in
+The limit is a memset (an in-place constant fill) of a contiguous buffer of
+the same bytes, for random fills too: they copy samples drawn once per
+registration (``fill.NoiseBank``), and no fill of the bytes writes them
+faster. Times are medians, the calls a row compares timed in
 turn, round after round (`measure_in_turn`); memory is the peak allocated
 during one call, beyond what was allocated before it.
 """
@@ -266,10 +268,7 @@ def run_case(case: Case, device: torch.device, timing: Timing, mean: float) -> d
     limit_view = limit_buffer.view(case.dtype)
 
     def limit():
-        if case.std > 0:
-            limit_view.normal_(mean, case.std)
-        else:
-            limit_view.fill_(mean)
+        limit_view.fill_(mean)
 
     cache = case.make_cache(device)
     worker, layout = one_layer_worker(worker_cls, cache, case, mean)
