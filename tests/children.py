@@ -11,6 +11,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import math
 import multiprocessing
 import os
 import sys
@@ -390,7 +391,15 @@ def bench_tables(arguments: list[str]) -> dict:
     from tools import bench
 
     bench.main(arguments)
-    return {"cases": [case.name for case in bench.cases()]}
+    state_bytes = sum(math.prod(shape) * 4 for shape in bench.STEP_STATES)
+    per_layer_slot = (
+        bench.STEP_ATTENTION_BLOCKS * bench.STEP_PAGE_BYTES
+        + bench.STEP_LINEAR_GROUPS * bench.STEP_STATE_BLOCKS * state_bytes
+    )
+    return {
+        "cases": [case.name for case in bench.cases()],
+        "written_bytes_per_request": bench.STEP_ATTENTION_LAYERS * per_layer_slot,
+    }
 
 
 def package_location() -> dict:

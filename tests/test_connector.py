@@ -376,6 +376,61 @@ def test_ids_outside_the_pool_are_said_once_per_group(vllm_config_for, vllm_log)
     ]
 
 
+def test_raw_mamba_pages_are_written_up_to_their_states_not_the_padding(
+    vllm_config_for,
+):
+    """vLLM 0.27 - 0.28 register a Mamba layer as its raw int8 pages,
+    ``(num_blocks, 1, 1, page)``, the page padded to the attention page; its
+    spec tells the states' size: the bytes after them are never read."""
+    pool = make_pool(NUM_BLOCKS)
+    kv_cache_config = make_kv_cache_config(pool)
+    pool.caches[LINEAR_LAYER] = pool.raw.view(torch.int8).view(
+        NUM_BLOCKS, 1, 1, PAGE_BYTES
+    )
+    connector = make_worker_connector(
+        vllm_config_for(fill_mean=0.5), pool, kv_cache_config
+    )
+    before = pool.raw.clone().view(NUM_BLOCKS, PAGE_BYTES)
+    start_fill(connector, {"r": (([2], [5, 7]), 16)})
+    state_bytes = sum(torch.Size(s).numel() for s in GDN_STATES) * 4
+    assert 0 < state_bytes < PAGE_BYTES
+    pages = pool.pages()
+    for block in (5, 7):
+        assert not pages[block][:state_bytes].any()  # int8 pages: zeros
+        assert torch.equal(pages[block][state_bytes:], before[block][state_bytes:])
+    expect_only_pages_changed(pool, before.flatten(), {2, 5, 7})
+
+
+def test_a_fill_asked_for_while_a_graph_is_captured_is_not_issued(
+    vllm_config_for, vllm_log, monkeypatch
+):
+    """A fill captured into a CUDA graph would be replayed with this step's
+    rows; the capture probe is CUDA's, so here it is made to answer yes."""
+    from vllm_kvfill_patch import worker_step
+
+    pool = make_pool(NUM_BLOCKS)
+    connector = make_worker_connector(vllm_config_for(fill_mean=0.5), pool)
+    before = pool.raw.clone()
+    monkeypatch.setattr(worker_step, "capturing", lambda: True)
+    start_fill(connector, {"r1": (([1, 2], [3]), 32)})
+    start_fill(connector, {"r2": (([4], [5]), 16)})
+    expect_only_pages_changed(pool, before, set())
+    said = [r for r in vllm_log if "capturing" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING]
+
+    monkeypatch.setattr(worker_step, "capturing", lambda: False)
+    start_fill(connector, {"r3": (([6], [7]), 16)})
+    expect_only_pages_changed(pool, before, {6, 7})
+
+
+def test_without_cuda_the_capture_probe_answers_no_without_initialising_it():
+    from vllm_kvfill_patch.worker_step import capturing
+
+    initialised = torch.cuda.is_initialized()
+    assert capturing() is False
+    assert torch.cuda.is_initialized() == initialised
+
+
 def test_a_step_before_registration_gets_upstreams_own_error(vllm_config_for):
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (

@@ -124,15 +124,15 @@ def test_kv_first_with_two_blocks_takes_dim_zero_as_documented():
     row_shape=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=3),
     block_ids=block_id_lists,
     dtype=st.sampled_from(DTYPES),
-    scratch_bytes=st.sampled_from([4, 64, 1024, fill.SCRATCH_BYTES]),
+    noise_bytes=st.sampled_from([4, 64, 1024, fill.NOISE_BYTES]),
 )
 def test_random_fill_changes_only_requested_rows(
-    num_blocks, row_shape, block_ids, dtype, scratch_bytes
+    num_blocks, row_shape, block_ids, dtype, noise_bytes
 ):
     cache = torch.full([num_blocks, *row_shape], 1000.0, dtype=dtype)
     before = cache.clone()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fill, "SCRATCH_BYTES", scratch_bytes)
+        patch.setattr(fill, "NOISE_BYTES", noise_bytes)
         fill.fill_cache_blocks_(
             cache, fill.BlockSet(block_ids, num_blocks), FillValue(0.0, 1.0)
         )
@@ -295,12 +295,59 @@ def test_state_fill_takes_rows_of_block_indexed_states_and_leaves_others():
     assert not no_block_dim.any()
 
 
-def test_random_fill_of_a_row_larger_than_the_scratch(monkeypatch):
-    monkeypatch.setattr(fill, "SCRATCH_BYTES", 16)  # 4 samples, for rows of 21
-    state = torch.zeros(5, 3, 7, dtype=torch.bfloat16)
-    fill.fill_state_blocks_([state], fill.BlockSet([1], 5), FillValue(0.0, 1.0))
-    assert state[1].ne(0).all()
-    assert not state[[0, 2, 3, 4]].any()
+def test_random_fill_of_rows_larger_than_the_noise_bank_bytes(monkeypatch):
+    monkeypatch.setattr(fill, "NOISE_BYTES", 16)  # 8 samples, for rows of 21
+    state = torch.zeros(40, 3, 7, dtype=torch.bfloat16)
+    ids = list(range(1, 40, 2))
+    fill.fill_state_blocks_([state], fill.BlockSet(ids, 40), FillValue(0.0, 1.0))
+    assert state[ids].ne(0).all()
+    assert not state[list(range(0, 40, 2))].any()
+
+
+@pytest.mark.parametrize(
+    "dtype,encoding",
+    [
+        (torch.bfloat16, None),
+        (torch.float32, None),
+        (torch.uint8, torch.float8_e4m3fn),
+        (torch.float8_e5m2, None),
+    ],
+)
+def test_random_rows_are_the_banks_rows_in_block_order_repeating(dtype, encoding):
+    """The k-th requested row gets the bank's row k mod its length (at least
+    NOISE_ROWS), drawn once: a second fill writes the same bytes."""
+    cache = torch.zeros(200, 8, 64, dtype=torch.uint8).view(dtype)
+    noise = fill.NoiseBank()
+    ids = list(range(3, 200, 3))
+    value = FillValue(0.5, 0.25, encoding)
+    fill.fill_cache_blocks_(cache, fill.BlockSet(ids, 200), value, noise=noise)
+    as_bytes = cache.view(torch.uint8)
+    value_bytes = FillValue(
+        0.5, 0.25, encoding or (dtype if dtype.itemsize == 1 else None)
+    )
+    bank = noise.rows(as_bytes if dtype.itemsize == 1 else cache, value_bytes)
+    count = bank.shape[0]
+    assert count >= fill.NOISE_ROWS
+    for k, block in enumerate(ids):
+        assert torch.equal(as_bytes[block], bank[k % count].view(torch.uint8)), k
+    assert not as_bytes[[b for b in range(200) if b not in ids]].any()
+    again = torch.zeros_like(as_bytes).view(dtype)
+    fill.fill_cache_blocks_(again, fill.BlockSet(ids, 200), value, noise=noise)
+    assert torch.equal(again.view(torch.uint8), as_bytes)
+
+
+def test_the_banks_rows_are_distinct_and_normal_and_fp8_has_no_nan_byte():
+    rows = torch.zeros(64, 4096, dtype=torch.uint8)
+    value = FillValue(0.0, 1000.0, torch.float8_e4m3fn)  # most samples clamped
+    fill.fill_cache_blocks_(rows, fill.BlockSet(range(1, 64), 64), value)
+    assert not ((rows & 0x7F) == 0x7F).any()  # e4m3fn's NaN bytes
+    bank = fill.NoiseBank()
+    floats = torch.zeros(4, 1024)
+    samples = bank.rows(floats, FillValue(0.5, 0.25))
+    assert samples.shape[0] >= fill.NOISE_ROWS
+    assert samples.unique(dim=0).shape[0] == samples.shape[0]
+    assert abs(samples.mean().item() - 0.5) < 0.01
+    assert abs(samples.std().item() - 0.25) < 0.01
 
 
 def test_a_pages_write_returns_the_ids_outside_its_pool_and_writes_the_others():

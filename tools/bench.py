@@ -14,8 +14,10 @@ original function, unwrapped), called on a worker holding one layer. Run it
 on vLLM 0.24 - 0.29 to see both upstream paths: the attention fill (a
 temporary the size of the filled region, then a scatter) and #45080's
 whole-tensor state fill; on 0.11.1 - 0.23 the state case crashes upstream.
-The limit is an in-place fill (or in-place sampling) of a contiguous buffer
-of the same bytes. Times are medians, the calls a row compares timed in
+The limit is a memset (an in-place constant fill) of a contiguous buffer of
+the same bytes, for random fills too: they copy samples drawn once per
+registration (``fill.NoiseBank``), and no fill of the bytes writes them
+faster. Times are medians, the calls a row compares timed in
 turn, round after round (`measure_in_turn`); memory is the peak allocated
 during one call, beyond what was allocated before it.
 """
@@ -23,6 +25,7 @@ during one call, beyond what was allocated before it.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import statistics
@@ -265,10 +268,7 @@ def run_case(case: Case, device: torch.device, timing: Timing, mean: float) -> d
     limit_view = limit_buffer.view(case.dtype)
 
     def limit():
-        if case.std > 0:
-            limit_view.normal_(mean, case.std)
-        else:
-            limit_view.fill_(mean)
+        limit_view.fill_(mean)
 
     cache = case.make_cache(device)
     worker, layout = one_layer_worker(worker_cls, cache, case, mean)
@@ -332,6 +332,8 @@ STEP_STATES = ((3, 128), (2, 16, 16))  # conv, recurrent; fp32
 (8, 128, 128) in fp32): scaled down 128x in channels and heads, to 4 KiB
 pages, so that a pool for 1024 requests is 12 x 11,265 pages = 540 MiB."""
 STEP_REQUESTS = (1, 16, 256, 1024)
+RANDOM_STD = 0.1
+"""The random step's ``fill_std`` (`--std`)."""
 UPSTREAM_MAX_REQUESTS = 256
 """Upstream 0.24 fills every state tensor whole per request: its step grows
 with requests x pool, and at 1024 requests would take minutes."""
@@ -509,19 +511,26 @@ def allocated_table(
     timing: Timing,
     mean: float,
     step_requests: Sequence[int] = STEP_REQUESTS,
+    std: float = RANDOM_STD,
 ) -> None:
     """The step on caches vLLM's own allocator builds (0.32+): one backing
     buffer, layer-outer (LBNHC), the attention group kernel-split, Mamba
-    layers as int8 pages; limits: a memset of exactly the filled bytes, and
-    ``index_fill_`` per layer with a prebuilt index."""
+    layers as int8 pages (zeros: they cannot hold a float). The constant
+    step and the random one (``fill_std`` = `std`), each against upstream's
+    step and a memset of exactly the bytes the step must write: the limit
+    of any fill of them."""
     print(
-        "\n| requests | filled MiB | memset ms | index_fill_ per layer ms "
-        "| upstream step ms | overlay step ms | overlay/memset "
-        "| overlay/index_fill_ | upstream/overlay |"
+        "\n| requests | written MiB | memset ms | constant ms | constant/memset "
+        "| upstream ms | upstream/constant | random ms | random/memset "
+        "| upstream random ms | upstream/random |"
     )
-    print("|---" * 9 + "|")
+    print("|---" * 11 + "|")
     for requests in step_requests:
-        print(allocated_row(requests, device, timing, mean), flush=True)
+        print(allocated_row(requests, device, timing, mean, std), flush=True)
+    print(
+        f"(random: fill_std {std}; upstream not run above "
+        f"{UPSTREAM_MAX_REQUESTS} requests)"
+    )
 
 
 def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
@@ -571,7 +580,7 @@ def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
 
 
 def allocated_row(
-    requests: int, device: torch.device, timing: Timing, mean: float
+    requests: int, device: torch.device, timing: Timing, mean: float, std: float
 ) -> str:
     from vllm_kvfill_patch.worker_step import fill_step, layout_from
 
@@ -582,57 +591,72 @@ def allocated_row(
     group_to_layers = {
         g: group.layer_names for g, group in enumerate(config.kv_cache_groups)
     }
-    worker = bare_worker(worker_cls, caches, group_to_layers, num_blocks, mean)
-    layout = layout_from(None, config, worker)
     reqs = step_requests(requests, num_blocks)
     metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
-    filled_bytes = 0
-    index_fills = []
+    workers = {
+        name: bare_worker(worker_cls, caches, group_to_layers, num_blocks, mean, s)
+        for name, s in (("constant", 0.0), ("random", std))
+    }
+    layouts = {name: layout_from(None, config, w) for name, w in workers.items()}
+    memset_buffer = torch.empty(
+        written_bytes(caches, group_to_layers, reqs, num_blocks),
+        dtype=torch.int8,
+        device=device,
+    )
+    calls: dict[str, Callable[[], None]] = {
+        "memset": lambda: memset_buffer.fill_(1),
+        **{
+            name: functools.partial(fill_step, worker, layouts[name], reqs)
+            for name, worker in workers.items()
+        },
+    }
+    in_turn = measure_in_turn(calls, device, timing)
+    memset_s, constant_s, random_s = (seconds(m) for m in in_turn.values())
+    upstream = {
+        name: upstream_step(
+            functools.partial(upstream_fill_kv, worker, metadata),
+            requests,
+            device,
+            timing,
+        )
+        for name, worker in workers.items()
+    }
+
+    def against(measured: Measured, step_s: float) -> str:
+        return "-" if measured.seconds is None else f"{measured.seconds / step_s:.1f}x"
+
+    cells = [
+        str(requests),
+        f"{memset_buffer.numel() / MIB:.1f}",
+        f"{memset_s * 1e3:.3f}",
+        f"{constant_s * 1e3:.3f}",
+        f"{constant_s / memset_s:.2f}x",
+        _ms(upstream["constant"]),
+        against(upstream["constant"], constant_s),
+        f"{random_s * 1e3:.3f}",
+        f"{random_s / memset_s:.2f}x",
+        _ms(upstream["random"]),
+        against(upstream["random"], random_s),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def written_bytes(
+    caches: dict, group_to_layers: dict, reqs: dict, num_blocks: int
+) -> int:
+    """The bytes a step must write: each requested block's rows (its kernel
+    rows, where split) in every layer of its group, as the layer's view
+    covers them (vLLM 0.29+'s views cover a page's state bytes, not the
+    padding up to the attention page)."""
+    total = 0
     for g, layers in group_to_layers.items():
-        ids = sorted({i for block_ids, _ in reqs.values() for i in block_ids[g]})
+        ids = {i for block_ids, _ in reqs.values() for i in block_ids[g]}
+        ids.discard(0)
         for name in layers:
             cache = caches[name]
             ratio = cache.shape[0] // num_blocks
-            rows = torch.tensor(
-                [i * ratio + k for i in ids for k in range(ratio)], device=device
-            )
-            index_fills.append((cache, rows, mean if cache.is_floating_point() else 0))
-            filled_bytes += rows.numel() * cache[0].nbytes
-    memset_buffer = torch.empty(filled_bytes, dtype=torch.int8, device=device)
-
-    def index_fill_per_layer() -> None:
-        for cache, rows, value in index_fills:
-            cache.index_fill_(0, rows, value)
-
-    in_turn = measure_in_turn(
-        {
-            "memset": lambda: memset_buffer.fill_(1),
-            "indexed": index_fill_per_layer,
-            "overlay": lambda: fill_step(worker, layout, reqs),
-        },
-        device,
-        timing,
-    )
-    memset, indexed, overlay = in_turn.values()
-    upstream = upstream_step(
-        lambda: upstream_fill_kv(worker, metadata), requests, device, timing
-    )
-    memset_s, indexed_s, overlay_s = (seconds(m) for m in (memset, indexed, overlay))
-    vs_upstream = (
-        "-" if upstream.seconds is None else f"{upstream.seconds / overlay_s:.1f}x"
-    )
-    cells = [
-        str(requests),
-        f"{filled_bytes / MIB:.1f}",
-        f"{memset_s * 1e3:.3f}",
-        f"{indexed_s * 1e3:.3f}",
-        _ms(upstream),
-        f"{overlay_s * 1e3:.3f}",
-        f"{overlay_s / memset_s:.2f}x",
-        f"{overlay_s / indexed_s:.2f}x",
-        vs_upstream,
-    ]
-    return "| " + " | ".join(cells) + " |"
+            total += len(ids) * ratio * cache[0].nbytes
+    return total
 
 
 def upstream_step(
@@ -672,7 +696,7 @@ def _ms(m: Measured) -> str:
     return f"{m.seconds * 1e3:.2f}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=20)
@@ -683,6 +707,12 @@ def main(argv: list[str] | None = None) -> None:
         help="time each call for at least this long (default %(default)s)",
     )
     parser.add_argument("--mean", type=float, default=0.015)
+    parser.add_argument(
+        "--std",
+        type=float,
+        default=RANDOM_STD,
+        help="the allocated table's random step's fill_std (default %(default)s)",
+    )
     parser.add_argument(
         "--requests",
         type=int,
@@ -701,7 +731,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="FILE",
         help="the connector file with patches/' series applied: its step too",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
     device = torch.device(args.device)
     timing = Timing(args.repeats, args.min_seconds)
 
@@ -730,7 +764,7 @@ def main(argv: list[str] | None = None) -> None:
         series = load_module_file("kvfill_series_connector", args.series)
         step_table(device, timing, args.mean, series, args.requests)
     if args.table == "allocated" or (args.table == "all" and _has_allocator()):
-        allocated_table(device, timing, args.mean, args.requests)
+        allocated_table(device, timing, args.mean, args.requests, args.std)
 
 
 def _has_allocator() -> bool:

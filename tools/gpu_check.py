@@ -1,37 +1,43 @@
 """The fill on a GPU, in one command, on a machine with PyTorch and nothing else.
 
-    python tools/gpu_check.py                  # CUDA, full sizes
-    python tools/gpu_check.py --device cpu --quick   # what CI runs
+    python tools/gpu_check.py --table gpu_check.md   # CUDA, full sizes
+    python tools/gpu_check.py --device cpu --quick    # what CI runs
 
 Run as a script from a checkout: it loads the package's worker step
 (``worker_step``, with ``fill``) from the checkout without the package's
 ``__init__``, so neither an installed package nor vLLM is needed (without
-vLLM, Python's logging stands in for vLLM's logger). It builds caches the way
-vLLM 0.33's allocator lays them out (one int8 backing buffer; per layer a
-``[B, H, N, C]`` view, layer-outer, pages dense; attention split into kernel
-blocks; Mamba layers as int8 pages), registers them with a worker that holds
-what upstream's worker holds (``kv_caches``, ``fill_mean``, ``fill_std``),
-and fills with the functions the patched worker runs (``fill_step``,
-``fill_groups``: per group the layers' pages as one view, one write;
-consecutive groups over the same pages written together), and checks:
+vLLM, Python's logging stands in for vLLM's logger), and drives the functions
+the patched worker runs (``fill_step``, ``fill_groups``) on caches laid out as
+vLLM lays them out, over one backing buffer of random bytes per path.
 
-- bytes: every case (bf16 kernel-split, float8 dtype, fp8 stored as uint8,
-  int8 pages, compressed states), scattered blocks and one run of them,
-  filled on the device equals the same fill on the CPU, byte for byte, and
-  nothing outside the requested blocks moved;
-- no host synchronisation (``torch.cuda.set_sync_debug_mode("error")``) in
-  a whole step whose fills are worked out in it, nor in the layer-by-layer
-  fills, random ones included;
-- the step's time against a memset of exactly the bytes it writes, what the
-  host pays for it, its kernels (counted with the profiler; no copy from
-  pageable memory) and its pages farthest apart (against the CPU's), at 1,
-  16, 256 and 1024 requests of a 48-layer hybrid with
-  Qwen3-Next-80B-at-TP=4 pages (536 KiB): from 256 requests a group's pages
-  span more than 2 GiB, where CUDA would split a kernel whose offsets reach
-  that far.
+Paths: every way the worker's step can write (`PATHS`): a group's pages at
+once (vLLM 0.33's allocator), layer by layer, list / tuple states over a
+pool shared with attention (a transposed conv state and an fp32 SSM state),
+kernel-split single tensors, FlashAttention's ``(2, num_blocks, ...)``, MLA's
+``(num_blocks, tokens, 576)``, bf16 / fp16 / fp32, float8 dtypes and fp8
+stored as uint8; each with a constant and a random fill. Per path:
 
-Exit status 1 when bytes differ, a fill synchronises or copies from pageable
-memory; the timings and kernel counts are printed, for the README's table.
+- bytes: many steps back to back (on CUDA on a stream of its own, no
+  synchronisation between them), each with other block ids (runs, scattered,
+  the null block and ids outside the pool among them) and, step by step,
+  values from two workers over the same caches; then compared byte for byte
+  with the same steps replayed on the CPU (a random fill's replay copies the
+  device's samples), with an independent model of the bytes each step must
+  write (the rows of its blocks, as the path lays them out): nothing else
+  moved, a constant is exactly its bytes, random values finite and in range
+  (no fp8 NaN byte);
+- on CUDA: no host synchronisation (``set_sync_debug_mode("error")`` over
+  every step), the host not blocked (a long device sleep queued before a
+  step: the step returns long before it ends), in this warm process and in
+  a cold one; allocator calls per warm step (``memory_stats``); a CUDA graph
+  that reads a block, replayed after a fill, sees the fill; a fill asked for
+  while a graph is being captured is not issued.
+
+Then the step's time against a memset of the bytes it writes, constant and
+random, at 1, 16, 256 and 1024 requests of a 48-layer hybrid with
+Qwen3-Next-80B-at-TP=4 pages (536 KiB; the 1024 row needs about 71 GiB).
+``--table FILE`` writes both tables as Markdown. Exit status 1 when any
+check fails.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -52,14 +60,21 @@ PAGE_BYTES = 536 * 1024
 """Qwen3-Next-80B at TP=4: a linear-attention layer's state page."""
 QUICK_PAGE_BYTES = 4096
 LAYERS_PER_GROUP, GROUPS = 12, 4
-"""One attention group and three linear-attention groups of 12 layers."""
+"""The timed step: one attention group and three linear-attention groups."""
 ATTENTION_BLOCKS, STATE_BLOCKS = 8, 1
 """Per request: 8 attention blocks; one state block per linear group."""
 PROMPT_TOKENS = 8 * 16
-"""Each request's tokens to fill (the step reads only its block ids)."""
 KERNEL_SPLIT = 2
 REQUESTS = (1, 16, 256, 1024)
 QUICK_REQUESTS = (1, 16)
+BLOCK_TOKENS = 16
+"""Tokens per KV-manager block in every path."""
+CONSTANTS = (0.015, -1.5)
+"""The two workers' constants, alternating step by step."""
+RANDOMS = ((0.0, 1.0), (0.5, 0.1))
+"""The two workers' (mean, std) of the random fills."""
+SLEEP_SECONDS = 0.5
+"""The device sleep a step is queued behind in the host-blocking check."""
 
 
 def load_worker_step() -> ModuleType:
@@ -102,31 +117,618 @@ worker_step = load_worker_step()
 fill = importlib.import_module("vllm_kvfill_patch.fill")  # what worker_step runs
 
 
-def registered(
-    caches_by_group: dict[int, list[Any]],
-    num_blocks: int,
-    value: Any,
-) -> tuple[SimpleNamespace, Any]:
-    """A worker holding what upstream's worker holds when the patched step
-    runs (its registered caches, the fill parameters), with the layout the
-    step takes from its registration: `caches_by_group`, each a list of
-    layers, in pools of `num_blocks` blocks, filled with `value`."""
-    group_to_layers = {
-        group: [f"group{group}.layer{layer}" for layer in range(len(caches))]
-        for group, caches in caches_by_group.items()
-    }
-    kv_caches = {
-        name: cache
-        for group, caches in caches_by_group.items()
-        for name, cache in zip(group_to_layers[group], caches, strict=True)
-    }
-    worker = SimpleNamespace(
-        kv_caches=kv_caches, fill_mean=value.mean, fill_std=value.std
+# The paths: caches over one backing buffer, and where each block's rows are.
+
+
+@dataclass
+class Cache:
+    """One layer's cache: a tensor, or (`states_as`) a list / tuple of state
+    tensors; `tensors` its views, each with its blocks `ratio` rows each
+    along `block_dim` (the independent model of what a block is)."""
+
+    group: int
+    tensors: list[torch.Tensor]
+    block_dim: int = 0
+    ratio: int = 1
+    states_as: type | None = None
+    offsets: list[torch.Tensor] = field(default_factory=list)
+    """Per tensor, its elements' first bytes, a row per block row (the
+    model's, worked out once)."""
+
+    @property
+    def registered(self) -> Any:
+        if self.states_as is None:
+            return self.tensors[0]
+        return self.states_as(self.tensors)
+
+
+@dataclass
+class Rig:
+    """A path's caches over `buffer` (int8), in pools of `num_blocks`."""
+
+    buffer: torch.Tensor
+    caches: list[Cache]
+    num_blocks: int
+    encoding: torch.dtype | None = None
+    """The fp8 format uint8 caches hold."""
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """How to lay out a path's caches: `build(buffer_of, num_blocks)`, where
+    `buffer_of(size)` gives the backing buffer."""
+
+    build: Callable[[Callable[[int], torch.Tensor], int], Rig]
+    pages_at_once: bool = False
+    """A constant fill writes the group's pages in one view (asserted)."""
+
+
+def _view(
+    buffer: torch.Tensor, dtype: torch.dtype, shape: tuple, strides: tuple, at: int
+) -> torch.Tensor:
+    """A `dtype` view of `buffer` (int8) at byte `at`, strides in elements."""
+    assert at % dtype.itemsize == 0, at
+    return torch.as_strided(buffer.view(dtype), shape, strides, at // dtype.itemsize)
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def pages_rig(
+    dtype: torch.dtype, ratio: int = 1, encoding: torch.dtype | None = None
+) -> Callable:
+    """vLLM 0.33's allocator: layer-outer ``[B * ratio, H, N, C]`` views, heads
+    and tokens permuted within each dense page, 4 layers of one group."""
+
+    def build(buffer_of: Callable, num_blocks: int) -> Rig:
+        heads, content, tokens = 2, 32, BLOCK_TOKENS // ratio
+        page = heads * content * tokens * ratio
+        buffer = buffer_of(4 * num_blocks * page * dtype.itemsize)
+        shape = (num_blocks * ratio, heads, tokens, content)
+        strides = (page // ratio, content, heads * content, 1)
+        caches = [
+            Cache(
+                0,
+                [
+                    _view(
+                        buffer,
+                        dtype,
+                        shape,
+                        strides,
+                        layer * num_blocks * page * dtype.itemsize,
+                    )
+                ],
+                0,
+                ratio,
+            )
+            for layer in range(4)
+        ]
+        return Rig(buffer, caches, num_blocks, encoding)
+
+    return build
+
+
+def layers_rig(
+    dtype: torch.dtype,
+    row: tuple,
+    ratio: int = 1,
+    kv_first: bool = False,
+    encoding: torch.dtype | None = None,
+) -> Callable:
+    """3 layers, each a tensor ``(N * ratio, *row)`` (``(2, N * ratio, *row)``
+    with `kv_first`), at uneven offsets in one buffer: filled layer by layer."""
+
+    def build(buffer_of: Callable, num_blocks: int) -> Rig:
+        shape = (num_blocks * ratio, *row)
+        if kv_first:
+            shape = (2, *shape)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        gaps = [0, 64, 192]  # not a constant stride: no pages view
+        buffer = buffer_of(3 * nbytes + sum(gaps))
+        caches, at = [], 0
+        for gap in gaps:
+            at += gap
+            view = _view(buffer, dtype, shape, _contiguous_strides(shape), at)
+            caches.append(Cache(0, [view], 1 if kv_first else 0, ratio))
+            at += nbytes
+        return Rig(buffer, caches, num_blocks, encoding)
+
+    return build
+
+
+CONV, SSM = (64, 3), (2, 16, 16)
+"""A linear-attention layer's states: the conv state (channels, width - 1),
+stored transposed (width outermost); the SSM state in fp32."""
+
+
+def states_rig(states_as: type, conv_dtype: torch.dtype = torch.bfloat16) -> Callable:
+    """Two layer slots over pages shared by an attention layer (group 0,
+    bf16) and a linear-attention layer (group 1): a transposed conv state and
+    an fp32 SSM state at the start of each page, padding after them."""
+
+    def build(buffer_of: Callable, num_blocks: int) -> Rig:
+        conv_bytes = CONV[0] * CONV[1] * conv_dtype.itemsize
+        ssm_bytes = torch.Size(SSM).numel() * 4
+        page = 2 * BLOCK_TOKENS * 2 * 32 * 2  # the attention page, bf16
+        assert conv_bytes + ssm_bytes < page
+        buffer = buffer_of(2 * num_blocks * page)
+        caches = []
+        for slot in range(2):
+            base = slot * num_blocks * page
+            attention = (num_blocks, 2, BLOCK_TOKENS, 2, 32)
+            strides = (page // 2, *_contiguous_strides(attention)[1:])
+            caches.append(
+                Cache(0, [_view(buffer, torch.bfloat16, attention, strides, base)])
+            )
+            channels, width = CONV
+            conv = _view(
+                buffer,
+                conv_dtype,
+                (num_blocks, channels, width),
+                (page // conv_dtype.itemsize, 1, channels),
+                base,
+            )
+            ssm_strides = (page // 4, *_contiguous_strides(SSM))
+            ssm = _view(
+                buffer,
+                torch.float32,
+                (num_blocks, *SSM),
+                ssm_strides,
+                base + conv_bytes,
+            )
+            caches.append(Cache(1, [conv, ssm], states_as=states_as))
+        return Rig(buffer, caches, num_blocks, groups=2)
+
+    return build
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+ATTENTION_ROW = (BLOCK_TOKENS, 2, 32)
+PATHS: dict[str, PathSpec] = {
+    "pages at once, bf16, kernel-split": PathSpec(pages_rig(torch.bfloat16, 2), True),
+    "pages at once, fp16": PathSpec(pages_rig(torch.float16), True),
+    "pages at once, fp32": PathSpec(pages_rig(torch.float32), True),
+    "pages at once, float8_e4m3fn": PathSpec(pages_rig(E4M3), True),
+    "pages at once, fp8 e4m3fn as uint8": PathSpec(
+        pages_rig(torch.uint8, encoding=E4M3), True
+    ),
+    "pages at once, int8 Mamba pages": PathSpec(pages_rig(torch.int8), True),
+    "pages at once, compressed, split 4": PathSpec(pages_rig(torch.bfloat16, 4), True),
+    "per layer, bf16": PathSpec(layers_rig(torch.bfloat16, ATTENTION_ROW)),
+    "per layer, fp16": PathSpec(layers_rig(torch.float16, ATTENTION_ROW)),
+    "per layer, fp32": PathSpec(layers_rig(torch.float32, ATTENTION_ROW)),
+    "per layer, float8_e4m3fn": PathSpec(layers_rig(E4M3, ATTENTION_ROW)),
+    "per layer, float8_e5m2": PathSpec(layers_rig(E5M2, ATTENTION_ROW)),
+    "per layer, fp8 e4m3fn as uint8": PathSpec(
+        layers_rig(torch.uint8, ATTENTION_ROW, encoding=E4M3)
+    ),
+    "per layer, fp8 e5m2 as uint8": PathSpec(
+        layers_rig(torch.uint8, ATTENTION_ROW, encoding=E5M2)
+    ),
+    "kernel-split tensor, bf16, split 2": PathSpec(
+        layers_rig(torch.bfloat16, (8, 2, 32), ratio=2)
+    ),
+    "kernel-split tensor, fp8 as uint8, split 4": PathSpec(
+        layers_rig(torch.uint8, (4, 2, 32), ratio=4, encoding=E4M3)
+    ),
+    "(2, N, ...) K/V first, bf16": PathSpec(
+        layers_rig(torch.bfloat16, ATTENTION_ROW, kv_first=True)
+    ),
+    "(2, N * 2, ...) K/V first, split 2": PathSpec(
+        layers_rig(torch.bfloat16, (8, 2, 32), ratio=2, kv_first=True)
+    ),
+    "MLA (N, t, 576), bf16": PathSpec(layers_rig(torch.bfloat16, (BLOCK_TOKENS, 576))),
+    "MLA (N, t, 576), fp8 as uint8": PathSpec(
+        layers_rig(torch.uint8, (BLOCK_TOKENS, 576), encoding=E4M3)
+    ),
+    "list states + attention, shared pool": PathSpec(states_rig(list)),
+    "tuple states + attention, fp32 conv": PathSpec(states_rig(tuple, torch.float32)),
+}
+
+
+# The independent model: which bytes a step writes, and what.
+
+
+def element_bytes(view: torch.Tensor) -> torch.Tensor:
+    """Per element of `view` (over an int8 buffer), the offset of its first
+    byte in the buffer: the same view over the buffer's element numbers."""
+    numbers = torch.arange(view.untyped_storage().nbytes() // view.itemsize)
+    at = torch.as_strided(numbers, view.shape, view.stride(), view.storage_offset())
+    return at * view.itemsize
+
+
+def block_bytes(cache: Cache, block: int) -> list[torch.Tensor]:
+    """The byte offsets of `block`'s rows in each of `cache`'s tensors."""
+    if not cache.offsets:
+        for tensor in cache.tensors:
+            rows = element_bytes(tensor.cpu()).movedim(cache.block_dim, 0)
+            cache.offsets.append(rows.reshape(rows.shape[0], -1))
+    found = []
+    for tensor, offsets in zip(cache.tensors, cache.offsets, strict=True):
+        first = offsets[block * cache.ratio : (block + 1) * cache.ratio].flatten()
+        found.append((first[:, None] + torch.arange(tensor.itemsize)).flatten())
+    return found
+
+
+def constant_bytes(dtype: torch.dtype, encoding: Any, mean: float) -> torch.Tensor:
+    """The bytes of one element holding `mean` as the fill writes it."""
+    if dtype == torch.uint8 and encoding is not None:
+        dtype = encoding
+    if not dtype.is_floating_point:
+        return torch.zeros(dtype.itemsize, dtype=torch.uint8)
+    finfo = torch.finfo(dtype)
+    clamped = min(max(mean, finfo.min), finfo.max)
+    return torch.tensor([clamped], dtype=torch.float32).to(dtype).view(torch.uint8)
+
+
+@dataclass
+class Expected:
+    """What the steps must leave: `bytes` (a constant's, exactly; random
+    values' bytes are the original's), which bytes some step `written`, and
+    the tensor that wrote each byte last (`owner`, -1: none)."""
+
+    bytes: torch.Tensor
+    written: torch.Tensor
+    owner: torch.Tensor
+    sampled: set[int] = field(default_factory=set)
+    """The tensors (by number) that got random values."""
+
+    @property
+    def random_bytes(self) -> torch.Tensor:
+        mask = torch.zeros_like(self.written)
+        for number in self.sampled:
+            mask |= self.owner == number
+        return mask
+
+
+def expected_after(
+    rig: Rig, original: torch.Tensor, steps: list, values: list, random: bool
+) -> Expected:
+    """The steps replayed on the model (CPU), from the `original` bytes: each
+    step's valid blocks, per group, every tensor's rows of them, in order."""
+    owner = torch.full(original.shape, -1, dtype=torch.int32)
+    expected = Expected(original.clone(), owner >= 0, owner)
+    tensors = [(c, p, t) for c in rig.caches for p, t in enumerate(c.tensors)]
+    for step, block_ids in enumerate(steps):
+        mean = values[step % 2][0]
+        for number, (cache, position, tensor) in enumerate(tensors):
+            valid = {b for b in block_ids[cache.group] if 0 < b < rig.num_blocks}
+            for block in sorted(valid):
+                at = block_bytes(cache, block)[position]
+                expected.written[at] = True
+                expected.owner[at] = number
+                if random and _floating(tensor.dtype, rig.encoding):
+                    expected.sampled.add(number)
+                    continue
+                pattern = constant_bytes(tensor.dtype, rig.encoding, mean)
+                expected.bytes[at] = pattern.repeat(at.numel() // pattern.numel())
+    return expected
+
+
+def _floating(dtype: torch.dtype, encoding: Any) -> bool:
+    return dtype.is_floating_point or (dtype == torch.uint8 and encoding is not None)
+
+
+def random_values_in_range(rig: Rig, result: torch.Tensor, expected: Expected) -> bool:
+    """The elements holding random values, each read as its own tensor's
+    dtype, are finite and within its range (so no fp8 NaN byte)."""
+    tensors = [t for cache in rig.caches for t in cache.tensors]
+    for number in expected.sampled:
+        tensor = tensors[number]
+        dtype = tensor.dtype
+        if dtype == torch.uint8 and rig.encoding is not None:
+            dtype = rig.encoding
+        at = element_bytes(tensor.cpu()).flatten()
+        at = at[expected.owner[at] == number]
+        raw = result[at[:, None] + torch.arange(dtype.itemsize)]
+        if not torch.isfinite(raw.contiguous().view(dtype).float()).all():
+            return False
+    return True
+
+
+# Running a path's steps.
+
+
+def step_block_ids(rig: Rig, count: int, seed: int) -> list[list[list[int]]]:
+    """`count` steps' block ids per group: disjoint between groups (as the
+    allocator hands them out), a run and scattered ids, now and then the
+    null block, an id past the pool and a negative one (never written)."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = []
+    for step in range(count):
+        order = (torch.randperm(rig.num_blocks - 1, generator=generator) + 1).tolist()
+        per_group = []
+        for _ in range(rig.groups):
+            take = 1 + int(
+                torch.randint(rig.num_blocks // 3, (1,), generator=generator)
+            )
+            ids = [order.pop() for _ in range(min(take, len(order) - 1))]
+            if step % 3 == 0 and order:  # a run
+                start = order.pop()
+                ids += [b for b in range(start, start + 4) if b in order]
+            if step % 4 == 1:
+                ids += [0, rig.num_blocks, -1, ids[0] if ids else 1]
+            per_group.append(ids)
+        steps.append(per_group)
+    return steps
+
+
+def workers_for(
+    rig: Rig, random: bool, noise: list | None = None
+) -> list[tuple[Any, Any]]:
+    """Two workers over `rig`'s caches (two registrations of the same
+    caches), with the two values of `CONSTANTS` or `RANDOMS` (and `noise`,
+    their samples, where given)."""
+    kv_caches = {f"layer{i}": cache.registered for i, cache in enumerate(rig.caches)}
+    group_to_layers: dict[int, list[str]] = {}
+    for i, cache in enumerate(rig.caches):
+        group_to_layers.setdefault(cache.group, []).append(f"layer{i}")
+    pairs = []
+    values = RANDOMS if random else [(c, 0.0) for c in CONSTANTS]
+    for index, (mean, std) in enumerate(values):
+        worker = SimpleNamespace(kv_caches=kv_caches, fill_mean=mean, fill_std=std)
+        layout = worker_step.CacheLayout(
+            rig.num_blocks,
+            rig.encoding,
+            group_to_layers,
+            dict.fromkeys(group_to_layers, BLOCK_TOKENS),
+            kv_caches,
+            noise=fill.NoiseBank() if noise is None else noise[index],
+        )
+        pairs.append((worker, layout))
+    return pairs
+
+
+def run_steps(pairs: list, steps: list) -> None:
+    """The steps, back to back, worker by worker in turn."""
+    for index, block_ids in enumerate(steps):
+        worker, layout = pairs[index % 2]
+        worker_step.fill_groups(worker, layout, dict(enumerate(block_ids)))
+
+
+def buffer_maker(device: torch.device, seed: int) -> Callable[[int], torch.Tensor]:
+    def buffer_of(size: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        host = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
+        return host.to(device)
+
+    return buffer_of
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    said: str
+
+
+def check_path(
+    name: str, device: torch.device, random: bool, num_blocks: int, count: int
+) -> Verdict:
+    """One path's steps on `device`, against the CPU's replay and the model."""
+    spec = PATHS[name]
+    rig = spec.build(buffer_maker(device, 1), num_blocks)
+    steps = step_block_ids(rig, count, 2)
+    pairs = workers_for(rig, random)
+    original = rig.buffer.cpu().view(torch.uint8).clone()
+    failures = on_device(rig, pairs, steps, device)
+    if spec.pages_at_once and not random:
+        fills = [f for _, layout in pairs for f in layout.pages_fills.by_group.values()]
+        if None in fills or not fills:
+            failures.append("not written as pages")
+    result = rig.buffer.cpu().view(torch.uint8)
+    replay = spec.build(buffer_maker(torch.device("cpu"), 1), num_blocks)
+    noise = [layout.noise.to(torch.device("cpu")) for _, layout in pairs]
+    replay_pairs = workers_for(replay, random, noise)
+    run_steps(replay_pairs, steps)
+    if not torch.equal(result, replay.buffer.view(torch.uint8)):
+        failures.append("device != CPU replay")
+    values = list(RANDOMS) if random else [(c, 0.0) for c in CONSTANTS]
+    expected = expected_after(rig, original, steps, values, random)
+    kept = ~expected.written
+    if not torch.equal(result[kept], expected.bytes[kept]):
+        failures.append("bytes outside the requested rows moved")
+    sampled = expected.random_bytes
+    if not torch.equal(result[~sampled], expected.bytes[~sampled]):
+        failures.append("a constant's bytes wrong")
+    if sampled.any():
+        changed = result[sampled] != expected.bytes[sampled]
+        if changed.float().mean() < 0.5:
+            failures.append("random values not written")
+        if not random_values_in_range(rig, result, expected):
+            failures.append("random values out of range")
+    said = "ok" if not failures else "WRONG (" + "; ".join(failures) + ")"
+    return Verdict(not failures, said)
+
+
+def on_device(rig: Rig, pairs: list, steps: list, device: torch.device) -> list[str]:
+    """The steps on the device: on CUDA on a stream of their own, none
+    synchronising with the host (sync debug mode "error")."""
+    if device.type != "cuda":
+        run_steps(pairs, steps)
+        return []
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    failures = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            run_steps(pairs, steps)
+    except RuntimeError as exc:  # the sync debug mode's error, or the fill's
+        failures.append(f"raised {exc!r}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream.synchronize()
+    return failures
+
+
+def check_paths(device: torch.device, quick: bool) -> tuple[bool, list[str]]:
+    """Every path, constant and random: one line each, and the table's rows."""
+    num_blocks, count = (24, 8) if quick else (96, 40)
+    ok, rows = True, []
+    for name in PATHS:
+        constant = check_path(name, device, False, num_blocks, count)
+        random = check_path(name, device, True, num_blocks, count)
+        ok &= constant.ok and random.ok
+        said = f"constant {constant.said}  random {random.said}"
+        print(f"bytes  {name:<44} {said}", flush=True)
+        rows.append(f"| {name} | {constant.said} | {random.said} |")
+    return ok, rows
+
+
+# CUDA only: the host never waits, allocations, graphs.
+
+
+def host_blocking(device: torch.device) -> Verdict:
+    """A step queued behind a device sleep of `SLEEP_SECONDS` returns long
+    before the sleep ends (under a tenth of it): the host never waits for
+    the device, not even at a path's first fill (the cold process runs this
+    first, `--host-blocking-only`)."""
+    rig = PATHS["list states + attention, shared pool"].build(
+        buffer_maker(device, 1), 64
     )
-    layout = worker_step.CacheLayout(
-        num_blocks, value.encoding, group_to_layers, kv_caches=kv_caches
+    pairs = workers_for(rig, False) + workers_for(rig, True)
+    steps = step_block_ids(rig, len(pairs), 3)
+    cycles = sleep_cycles(device)
+    stream = torch.cuda.Stream(device)
+    worst = 0.0
+    with torch.cuda.stream(stream):
+        for (worker, layout), block_ids in zip(pairs, steps, strict=True):
+            torch.cuda._sleep(cycles)
+            start = time.perf_counter()
+            worker_step.fill_groups(worker, layout, dict(enumerate(block_ids)))
+            worst = max(worst, time.perf_counter() - start)
+    stream.synchronize()
+    ok = worst < SLEEP_SECONDS / 10
+    verdict = "ok" if ok else "BLOCKED"
+    said = (
+        f"{verdict} (slowest step's host time {worst * 1e3:.1f} ms behind a "
+        f"{SLEEP_SECONDS * 1e3:.0f} ms device sleep)"
     )
-    return worker, layout
+    return Verdict(ok, said)
+
+
+def sleep_cycles(device: torch.device) -> int:
+    """The ``torch.cuda._sleep`` cycles of about `SLEEP_SECONDS`."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * SLEEP_SECONDS * 1e3 / max(start.elapsed_time(end), 1e-3))
+
+
+def cold_host_blocking() -> Verdict:
+    """`host_blocking` in a fresh interpreter, its first fill the check's."""
+    result = subprocess.run(
+        [sys.executable, __file__, "--host-blocking-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = result.stdout.strip().splitlines() or [result.stderr.strip()[-300:]]
+    return Verdict(result.returncode == 0, lines[-1])
+
+
+def allocations(device: torch.device) -> Verdict:
+    """Per warm step (each path's fills worked out already): device segments
+    (cudaMalloc) and pinned host allocations (cudaHostAlloc) must be none;
+    the caching allocator's calls are counted."""
+    rigs = [PATHS[name].build(buffer_maker(device, 1), 64) for name in PATHS]
+    runs = []
+    for rig in rigs:
+        for random in (False, True):
+            pairs = workers_for(rig, random)
+            steps = step_block_ids(rig, 8, 4)
+            run_steps(pairs, steps)  # warm
+            runs.append((pairs, steps))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_stats(device)
+    host_before = _host_allocs()
+    for pairs, steps in runs:
+        run_steps(pairs, steps)
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_stats(device)
+    count = sum(len(steps) for _, steps in runs)
+
+    def delta(key: str) -> int:
+        return after.get(key, 0) - before.get(key, 0)
+
+    segments, host = delta("segment.all.allocated"), _host_allocs() - host_before
+    calls = delta("allocation.all.allocated") / count
+    ok = segments == 0 and host <= 0
+    said = (
+        f"{'ok' if ok else 'ALLOCATES'} ({count} warm steps: {segments} "
+        f"cudaMalloc, {host} cudaHostAlloc, {calls:.1f} caching-allocator "
+        "calls a step)"
+    )
+    return Verdict(ok, said)
+
+
+def _host_allocs() -> int:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return 0 if stats is None else int(stats().get("num_host_alloc", 0))
+
+
+def graphs(device: torch.device) -> Verdict:
+    """A graph that reads a block, replayed after a fill, sees the fill; a
+    fill asked for while a graph is captured is not issued (nor replayed)."""
+    rig = PATHS["per layer, bf16"].build(buffer_maker(device, 1), 16)
+    (worker, layout), _ = workers_for(rig, False)
+    cache = rig.caches[0].tensors[0]
+    read = torch.empty_like(cache[5])
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        read.copy_(cache[5])
+    worker_step.fill_groups(worker, layout, {0: [5]})
+    graph.replay()
+    torch.cuda.synchronize(device)
+    sees = bool((read == CONSTANTS[0]).all()) and torch.equal(read, cache[5])
+    before = rig.buffer.clone()
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        read.copy_(cache[7])  # a graph of something (an empty one warns)
+        worker_step.fill_groups(worker, layout, {0: [7, 9]})
+    captured.replay()
+    torch.cuda.synchronize(device)
+    guarded = torch.equal(before, rig.buffer)
+    ok = sees and guarded
+    said = (
+        f"{'ok' if ok else 'WRONG'} (replay after a fill sees it: {sees}; "
+        f"nothing filled from a capture: {guarded})"
+    )
+    return Verdict(ok, said)
+
+
+def cuda_checks(device: torch.device) -> tuple[bool, list[str]]:
+    checks: dict[str, Callable[[], Verdict]] = {
+        "host not blocked, cold process": cold_host_blocking,
+        "host not blocked, warm process": lambda: host_blocking(device),
+        "allocator calls per step": lambda: allocations(device),
+        "CUDA graphs": lambda: graphs(device),
+    }
+    ok, rows = True, []
+    for name, check in checks.items():
+        try:
+            verdict = check()
+        except Exception as exc:  # noqa: BLE001 - one run: report it, go on
+            verdict = Verdict(False, f"FAILED: {exc!r}")
+        ok &= verdict.ok
+        print(f"cuda   {name:<44} {verdict.said}", flush=True)
+        rows.append(f"| {name} | {verdict.said} |")
+    return ok, rows
+
+
+# The timed step: a 48-layer hybrid over vLLM 0.33's allocator's caches.
 
 
 def group_caches(
@@ -137,104 +739,30 @@ def group_caches(
     ratio: int,
 ) -> list[torch.Tensor]:
     """12 layer-outer views ``[B * ratio, H, N, C]`` of `dtype` over `buffer`
-    (each layer its own region of `num_blocks` dense pages), as vLLM 0.33's
-    allocator builds them for one group in layout LBNHC."""
+    (each layer its own region of `num_blocks` dense pages)."""
     elements = page_bytes // dtype.itemsize
     heads, content = 2, 64
     tokens = elements // (heads * content * ratio)
     assert tokens * heads * content * ratio == elements, page_bytes
-    values = buffer.view(dtype)
     shape = (num_blocks * ratio, heads, tokens, content)
     strides = (elements // ratio, content, heads * content, 1)  # tokens outside heads
     return [
-        torch.as_strided(values, shape, strides, layer * num_blocks * elements)
+        _view(buffer, dtype, shape, strides, layer * num_blocks * page_bytes)
         for layer in range(LAYERS_PER_GROUP)
     ]
 
 
-CASES = {
-    # name: (dtype of the views, kernel split, value, fp8 encoding of uint8 bytes)
-    "bf16, kernel-split": (torch.bfloat16, KERNEL_SPLIT, 0.015, None),
-    "float8 dtype": (torch.float8_e4m3fn, 1, 0.015, None),
-    "fp8 stored as uint8": (torch.uint8, 1, 0.015, torch.float8_e4m3fn),
-    "int8 pages (Mamba)": (torch.int8, 1, 0.015, None),
-    "compressed states, split": (torch.bfloat16, 4, 0.5, None),
-}
-
-
-def fill_case(
-    device: torch.device,
-    case: str,
-    page_bytes: int,
-    block_ids: list[int],
-    num_blocks: int,
-) -> torch.Tensor:
-    """One group of `case` filled at `block_ids`; the backing buffer, on the CPU."""
-    dtype, ratio, mean, encoding = CASES[case]
-    generator = torch.Generator().manual_seed(0)
-    size = LAYERS_PER_GROUP * num_blocks * page_bytes
-    host = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
-    buffer = host.to(device)
-    caches = group_caches(buffer, num_blocks, page_bytes, dtype, ratio)
-    value = fill.FillValue(mean, 0.0, encoding)
-    worker, layout = registered({0: caches}, num_blocks, value)
-    worker_step.fill_groups(worker, layout, {0: block_ids})
-    if block_ids:  # the group's layers as one view, as on vLLM 0.33's caches
-        assert layout.pages_fills.by_group[0] is not None, case
-    return buffer.cpu()
-
-
-BLOCK_ID_CASES = {
-    "scattered": [1, 2, 3, 7, 11, 12, 20, 23],
-    "one run": [5, 6, 7],
-}
-
-
-def check_bytes(device: torch.device, page_bytes: int) -> bool:
-    num_blocks = 24
-    ok = True
-    for case in CASES:
-        for blocks, block_ids in BLOCK_ID_CASES.items():
-            ok &= check_case(device, case, page_bytes, block_ids, num_blocks, blocks)
-    return ok
-
-
-def check_case(
-    device: torch.device,
-    case: str,
-    page_bytes: int,
-    block_ids: list[int],
-    num_blocks: int,
-    blocks: str,
-) -> bool:
-    on_device = fill_case(device, case, page_bytes, block_ids, num_blocks)
-    on_cpu = fill_case(torch.device("cpu"), case, page_bytes, block_ids, num_blocks)
-    untouched = fill_case(torch.device("cpu"), case, page_bytes, [], num_blocks)
-    same = torch.equal(on_device, on_cpu)
-    pages = on_cpu.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
-    before = untouched.view(LAYERS_PER_GROUP, num_blocks, page_bytes)
-    others = [b for b in range(num_blocks) if b not in block_ids]
-    outside_kept = torch.equal(pages[:, others], before[:, others])
-    inside_written = not torch.equal(pages[:, block_ids], before[:, block_ids])
-    good = same and outside_kept and inside_written
-    print(
-        f"bytes  {case + ', ' + blocks:<37} {'ok' if good else 'WRONG'} "
-        f"(device = CPU: {same}, other blocks kept: {outside_kept}, "
-        f"requested written: {inside_written})"
-    )
-    return good
-
-
 UNWRITTEN = 0x55
-"""The byte a step's buffer holds before the step: zeros (the Mamba pages'
-fill) show against it."""
+"""The byte a step's buffer holds before the step."""
 
 
 class Step:
     """A 48-layer hybrid's caches over one backing buffer, and one scheduler
-    step of `requests` requests: per group its pages view and block ids."""
+    step of `requests` requests, filled with `value` ``(mean, std)``."""
 
-    def __init__(self, device: torch.device, requests: int, page_bytes: int) -> None:
+    def __init__(
+        self, device: torch.device, requests: int, page_bytes: int, value: tuple
+    ) -> None:
         blocks_per_request = ATTENTION_BLOCKS + (GROUPS - 1) * STATE_BLOCKS
         self.num_blocks = 1 + requests * blocks_per_request
         self.page_bytes = page_bytes
@@ -244,13 +772,11 @@ class Step:
             self.num_blocks - 1, generator=torch.Generator().manual_seed(0)
         )
         free = (order + 1).tolist()
-        # Per group, its layers and each request's block ids in it.
         self.caches = [
             group_caches(
                 self.buffer, self.num_blocks, page_bytes, torch.bfloat16, KERNEL_SPLIT
             )
-        ]
-        self.caches += [
+        ] + [
             group_caches(self.buffer, self.num_blocks, page_bytes, torch.int8, 1)
             for _ in range(GROUPS - 1)
         ]
@@ -266,131 +792,48 @@ class Step:
             [b for ids, _ in self.requests.values() for b in ids[group]]
             for group in range(GROUPS)
         ]
-        self.filled_bytes = sum(
+        self.written_bytes = sum(
             len(ids) * LAYERS_PER_GROUP * page_bytes for ids in self.block_ids
         )
-        self.value = fill.FillValue(0.015)
-        self.worker, self.layout = registered(
-            dict(enumerate(self.caches)), self.num_blocks, self.value
+        kv_caches = {
+            f"group{g}.layer{i}": cache
+            for g, caches in enumerate(self.caches)
+            for i, cache in enumerate(caches)
+        }
+        group_to_layers = {
+            g: [name for name in kv_caches if name.startswith(f"group{g}.")]
+            for g in range(GROUPS)
+        }
+        mean, std = value
+        self.worker = SimpleNamespace(kv_caches=kv_caches, fill_mean=mean, fill_std=std)
+        # No block sizes: the split is found from the block count alone.
+        self.layout = worker_step.CacheLayout(
+            self.num_blocks, None, group_to_layers, kv_caches=kv_caches
         )
 
     def run(self) -> None:
-        """The patched worker's step: how each group is written is worked out
-        at its first fill, as in a worker; the three linear-attention groups,
-        pages of the same memory written alike, in one write."""
+        """The patched worker's step."""
         worker_step.fill_step(self.worker, self.layout, self.requests)
 
-    def far_pages_right(self) -> bool:
-        """One step over an unwritten buffer, then the pages farthest apart
-        compared with the CPU's fill: each group's lowest and highest block
-        in the first and the last layer (from 256 requests, gigabytes past
-        the buffer's start), and the null block's, left unwritten."""
+    def far_pages_written(self) -> bool:
+        """One step over an unwritten buffer: each group's lowest and highest
+        block in the first and the last layer written (from 256 requests,
+        gigabytes past the buffer's start), the null block's page not."""
         self.buffer.fill_(UNWRITTEN)
         self.run()
         layers = self.buffer.view(LAYERS_PER_GROUP, self.num_blocks, self.page_bytes)
-        unwritten = torch.full((self.page_bytes,), UNWRITTEN, dtype=torch.int8)
         right = True
-        for caches, block_ids in zip(self.caches, self.block_ids, strict=True):
-            page = expected_page(caches[0].dtype, self.value, self.page_bytes)
+        for group, block_ids in enumerate(self.block_ids):
             for layer in (0, LAYERS_PER_GROUP - 1):
-                for block, expected in (
-                    (min(block_ids), page),
-                    (max(block_ids), page),
-                    (fill.NULL_BLOCK_ID, unwritten),
-                ):
-                    right &= torch.equal(layers[layer, block].cpu(), expected)
+                for block in (min(block_ids), max(block_ids)):
+                    page = layers[layer, block].cpu()
+                    # int8 pages get zeros; the attention pages bf16 values.
+                    if group == 0:
+                        right &= bool((page != UNWRITTEN).any())
+                    else:
+                        right &= bool((page == 0).all())
+                right &= bool((layers[layer, 0] == UNWRITTEN).all())
         return right
-
-
-def expected_page(dtype: torch.dtype, value: object, page_bytes: int) -> torch.Tensor:
-    """A page of `dtype` filled with `value` (a ``fill.FillValue``) by the
-    CPU, as its bytes."""
-    pages = torch.zeros(2, 1, page_bytes, dtype=torch.int8).view(dtype)
-    fill.fill_group_pages_(pages, fill.BlockSet([1], 2), value)
-    return pages[1, 0].view(torch.int8)
-
-
-def sync_cases(device: torch.device, page_bytes: int) -> dict[str, Callable]:
-    """Steps that must not synchronise with the host, each registered anew so
-    that how it is written is worked out in it (a group's first fill): a
-    whole step, and layers filled one by one, random fills included (a
-    random fill is never written as pages; list states never are)."""
-    num_blocks = 24
-    buffer = torch.zeros(
-        LAYERS_PER_GROUP * num_blocks * QUICK_PAGE_BYTES,
-        dtype=torch.int8,
-        device=device,
-    )
-
-    def layer(dtype: torch.dtype) -> torch.Tensor:
-        return group_caches(buffer, num_blocks, QUICK_PAGE_BYTES, dtype, 1)[0]
-
-    def step(cache: Any, value: Any, blocks: str = "scattered") -> Callable:
-        def run() -> None:
-            worker, layout = registered({0: [cache]}, num_blocks, value)
-            worker_step.fill_groups(worker, layout, {0: BLOCK_ID_CASES[blocks]})
-
-        return run
-
-    mamba = [
-        torch.zeros(num_blocks, 3, 2048, device=device),
-        torch.zeros(num_blocks, 8, 128, 128, device=device),
-    ]
-    constant, random = fill.FillValue(0.015), fill.FillValue(0.0, 1.0)
-    random_fp8 = fill.FillValue(0.0, 1.0, torch.float8_e4m3fn)
-    return {
-        "a step of 16 requests, its fills worked out in it": (
-            lambda: Step(device, 16, page_bytes).run()
-        ),
-        "constant, one layer (bf16)": step(layer(torch.bfloat16), constant),
-        "random, one layer (bf16)": step(layer(torch.bfloat16), random),
-        "random, one layer (bf16), one run": step(
-            layer(torch.bfloat16), random, "one run"
-        ),
-        "random, one layer (fp8 stored as uint8)": step(layer(torch.uint8), random_fp8),
-        "random, one layer (float8 dtype)": step(layer(torch.float8_e4m3fn), random),
-        "random, Mamba states (fp32)": step(mamba, random),
-    }
-
-
-def check_no_sync(device: torch.device, page_bytes: int) -> bool:
-    cases = sync_cases(device, page_bytes)
-    if device.type != "cuda":
-        for call in cases.values():
-            call()
-        print(f"sync   not a CUDA device: {len(cases)} cases ran, not checked")
-        return True
-    fill._signed_word_for.cache_clear()  # a first fill checks its word, too
-    ok = True
-    for case, call in cases.items():
-        torch.cuda.synchronize(device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            call()
-            print(f"sync   none: {case}")
-        except Exception as exc:  # noqa: BLE001 - one run: report it, go on
-            synchronised = isinstance(exc, RuntimeError) and "synchron" in str(exc)
-            verdict = "SYNCHRONISED" if synchronised else "FAILED"
-            print(f"sync   {verdict}: {case}: {exc!r}")
-            ok = False
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize(device)
-    return ok
-
-
-def kernels_in(step: Step, device: torch.device) -> list[str]:
-    """The names of the kernels (and copies) one run of `step` launches."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step.run()  # warm-up
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step.run()
-        torch.cuda.synchronize(device)
-    return [
-        e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-    ]
 
 
 def timed(
@@ -413,77 +856,141 @@ def timed(
     return sorted(times)[len(times) // 2]
 
 
-def time_steps(
-    device: torch.device, page_bytes: int, requests: tuple, repeats: int
-) -> bool:
-    """The table; False where the far pages are wrong or the index was copied
-    from pageable memory (a hidden synchronisation)."""
-    print(
-        f"\n| requests | filled GiB | memset ms | step ms | step/memset | step host ms "
-        f"| kernels per step ({GROUPS} groups) | far pages |  "
-        f"(pages {page_bytes // 1024} KiB, {device})"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    ok = True
-    names: set[str] = set()
-    for count in requests:
-        row, kernels, row_ok = time_row(device, page_bytes, count, repeats)
-        print(row, flush=True)
-        names.update(kernels)
-        ok &= row_ok
-    if names:
-        print(f"kernels (copies of the index included): {sorted(names)}")
-    pageable = sorted(name for name in names if "Pageable" in name)
-    if pageable:
-        print(f"copies from pageable memory (a host synchronisation): {pageable}")
-    return ok and not pageable
+def kernels_in(step: Step, device: torch.device) -> int | None:
+    """How many kernels (and copies) one run of `step` launches; None where
+    the profiler sees none (CUPTI missing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step.run()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.run()
+        torch.cuda.synchronize(device)
+    cuda = torch.autograd.DeviceType.CUDA
+    names = [e.name for e in prof.events() if e.device_type == cuda]
+    return len(names) or None
+
+
+def time_memset(view: torch.Tensor, device: torch.device, repeats: int) -> float:
+    """A memset of `view`: the bytes a step writes, contiguous, in the
+    caches' own buffer (at 1024 requests the caches take half an H200)."""
+    return timed(lambda: view.fill_(1), device, repeats)
+
+
+TIMING_HEADER = (
+    "| requests | written GiB | memset ms | constant ms | constant/memset "
+    "| random ms | random/memset | host ms (constant, random) | kernels "
+    "(constant, random) | far pages |"
+)
 
 
 def time_row(
     device: torch.device, page_bytes: int, count: int, repeats: int
-) -> tuple[str, list[str], bool]:
-    step = Step(device, count, page_bytes)
-    # The same number of bytes, contiguous, in the caches' own buffer: at
-    # 1024 requests the caches take half an H200.
-    memset_view = step.buffer[: step.filled_bytes]
-    memset = timed(lambda: memset_view.fill_(1), device, repeats)
-    step_time = timed(step.run, device, repeats)
-    host_time = timed(step.run, device, repeats, wait=False)
-    kernels = kernels_in(step, device) if device.type == "cuda" else []
-    if device.type != "cuda":
-        counted = "-"
-    else:  # none seen: the profiler (CUPTI) is missing, not the kernels
-        counted = str(len(kernels)) if kernels else "? (no profiler)"
-    far_right = step.far_pages_right()
+) -> tuple[str, bool]:
+    constant = Step(device, count, page_bytes, (CONSTANTS[0], 0.0))
+    memset = time_memset(constant.buffer[: constant.written_bytes], device, repeats)
+    constant_s = timed(constant.run, device, repeats)
+    constant_host = timed(constant.run, device, repeats, wait=False)
+    constant_kernels = kernels_in(constant, device) if device.type == "cuda" else None
+    far = constant.far_pages_written()
+    del constant  # at 1024 requests its buffer is half an H200
+    random = Step(device, count, page_bytes, RANDOMS[0])
+    random_s = timed(random.run, device, repeats)
+    random_host = timed(random.run, device, repeats, wait=False)
+    random_kernels = kernels_in(random, device) if device.type == "cuda" else None
+    far &= random.far_pages_written()
     row = (
-        f"| {count} | {step.filled_bytes / 2**30:.2f} | {memset * 1e3:.3f} "
-        f"| {step_time * 1e3:.3f} | {step_time / memset:.2f}x "
-        f"| {host_time * 1e3:.3f} | {counted} | {'ok' if far_right else 'WRONG'} |"
+        f"| {count} | {random.written_bytes / 2**30:.3f} | {memset * 1e3:.3f} "
+        f"| {constant_s * 1e3:.3f} | {constant_s / memset:.2f}x "
+        f"| {random_s * 1e3:.3f} | {random_s / memset:.2f}x "
+        f"| {constant_host * 1e3:.3f}, {random_host * 1e3:.3f} "
+        f"| {constant_kernels or '-'}, {random_kernels or '-'} "
+        f"| {'ok' if far else 'WRONG'} |"
     )
-    return row, kernels, far_right
+    return row, far
+
+
+def time_steps(
+    device: torch.device, page_bytes: int, requests: tuple, repeats: int
+) -> tuple[bool, list[str]]:
+    print(f"\n(pages {page_bytes // 1024} KiB, {device})\n{TIMING_HEADER}")
+    print("|---" * 10 + "|")
+    ok, rows = True, []
+    for count in requests:
+        row, row_ok = time_row(device, page_bytes, count, repeats)
+        print(row, flush=True)
+        rows.append(row)
+        ok &= row_ok
+    return ok, rows
+
+
+def write_table(
+    path: str, device_name: str, paths: list, cuda: list, timing: list, page_bytes: int
+) -> None:
+    lines = [
+        f"`tools/gpu_check.py` on {device_name}, torch {torch.__version__}",
+        "",
+        "| path | constant fill | random fill |",
+        "|---|---|---|",
+        *paths,
+        "",
+    ]
+    if cuda:
+        lines += ["| check | result |", "|---|---|", *cuda, ""]
+    lines += [f"Pages {page_bytes // 1024} KiB.", "", TIMING_HEADER]
+    lines += ["|---" * 10 + "|", *timing]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument(
-        "--quick", action="store_true", help="4 KiB pages, 1 and 16 requests"
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu (CI)")
     parser.add_argument(
-        "--requests", type=int, nargs="+",
-        help=f"the table's step sizes (default {REQUESTS}; --quick: {QUICK_REQUESTS})",
-    )  # fmt: skip
+        "--quick",
+        action="store_true",
+        help="small paths, 4 KiB pages, 1 and 16 requests (CI, on the CPU)",
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per step")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        nargs="+",
+        help=f"the timed step sizes (default {REQUESTS}; --quick: {QUICK_REQUESTS})",
+    )
+    parser.add_argument("--table", metavar="FILE", help="write the tables as Markdown")
+    parser.add_argument(
+        "--host-blocking-only", action="store_true", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
-    requests = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
+    if args.host_blocking_only:
+        verdict = host_blocking(torch.device("cuda"))
+        print(verdict.said)
+        return 0 if verdict.ok else 1
+    started = time.perf_counter()
     device = torch.device(args.device)
+    requests = tuple(args.requests or (QUICK_REQUESTS if args.quick else REQUESTS))
     page_bytes = QUICK_PAGE_BYTES if args.quick else PAGE_BYTES
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__} on {name}")
-    ok = check_bytes(device, QUICK_PAGE_BYTES)
-    ok &= check_no_sync(device, page_bytes)
-    ok &= time_steps(device, page_bytes, tuple(requests), args.repeats)
-    print("\nresult:", "ok" if ok else "FAILED")
+    ok, path_rows = check_paths(device, args.quick)
+    cuda_rows: list[str] = []
+    if device.type == "cuda":
+        cuda_ok, cuda_rows = cuda_checks(device)
+        ok &= cuda_ok
+    else:
+        print(
+            "cuda   not a CUDA device: streams, sync, host blocking, allocator "
+            "and graphs not checked"
+        )
+    timing_ok, timing_rows = time_steps(device, page_bytes, requests, args.repeats)
+    ok &= timing_ok
+    if args.table:
+        write_table(args.table, name, path_rows, cuda_rows, timing_rows, page_bytes)
+    seconds = time.perf_counter() - started
+    print(f"\nresult: {'ok' if ok else 'FAILED'} in {seconds:.0f} s")
     return 0 if ok else 1
 
 

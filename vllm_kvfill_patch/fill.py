@@ -29,12 +29,15 @@ NULL_BLOCK_ID = 0
 """vLLM's block pool reserves block 0 as the shared null (placeholder) block.
 No request owns it, so it is never filled."""
 
-SCRATCH_BYTES = 64 * 1024 * 1024
-"""Upper bound of a random fill's temporary memory (samples, plus the dtype
-conversion where one is needed). It is also kept to half the filled region,
-so a random fill always needs less than upstream's region-sized temporary."""
+NOISE_ROWS = 16
+"""A random fill copies rows of samples drawn once (`NoiseBank`) into the
+requested rows: at least this many distinct rows, so that a tensor's filled
+rows repeat no more often than every 16 rows."""
 
-MIN_SCRATCH_BYTES = 1024 * 1024
+NOISE_BYTES = 1024 * 1024
+"""...and rows of at least this many bytes in all, where 16 rows are fewer:
+a bank is ``max(NOISE_ROWS rows, NOISE_BYTES)`` per dtype and value, the
+scratch memory a random fill keeps (a bank of 536 KiB rows: 8.4 MiB)."""
 
 INDEXED_MIN_RUNS = 2
 """From two runs of consecutive blocks on, one indexed kernel
@@ -281,16 +284,19 @@ def fill_cache_blocks_(
     value: FillValue,
     block_size: int | None = None,
     states_of: Callable[[int], int] | None = None,
+    noise: NoiseBank | None = None,
 ) -> FillReport:
     """Fill the rows of `blocks` along an attention cache's block dimension.
 
     Each block's kernel rows, where the cache is kernel-split. A tensor with
-    no block dimension (``find_block_dim``) is left untouched.
+    no block dimension (``find_block_dim``) is left untouched. Random values
+    are copied from `noise` (a bank of its own where none is given).
     """
     found = find_block_dim(cache.shape, blocks.num_blocks, block_size, states_of)
     if found is None:
         return FillReport(Written.NO_BLOCK_DIM)
-    return _fill_runs_(cache.movedim(found.dim, 0), blocks.rows(found.ratio), value)
+    rows = cache.movedim(found.dim, 0)
+    return _fill_runs_(rows, blocks.rows(found.ratio), value, noise)
 
 
 def group_pages(
@@ -582,7 +588,10 @@ def fill_group_pages_(
 
 
 def fill_state_blocks_(
-    states: Sequence[torch.Tensor], blocks: BlockSet, value: FillValue
+    states: Sequence[torch.Tensor],
+    blocks: BlockSet,
+    value: FillValue,
+    noise: NoiseBank | None = None,
 ) -> list[FillReport]:
     """Fill the rows of `block_ids` in each Mamba / linear-attention state.
 
@@ -593,13 +602,18 @@ def fill_state_blocks_(
     reports = []
     for state in states:
         if state.dim() >= 1 and state.shape[0] == blocks.num_blocks:
-            reports.append(_fill_runs_(state, blocks.rows(), value))
+            reports.append(_fill_runs_(state, blocks.rows(), value, noise))
         else:
             reports.append(FillReport(Written.NO_BLOCK_DIM))
     return reports
 
 
-def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillReport:
+def _fill_runs_(
+    rows: torch.Tensor,
+    runs: RowRuns,
+    value: FillValue,
+    noise: NoiseBank | None = None,
+) -> FillReport:
     if not runs.block_ids:
         return FillReport(Written.NOTHING)
     rows, value = _float8_as_bytes(rows, value)
@@ -607,7 +621,7 @@ def _fill_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> FillRepo
     if constant is None or value.std == 0:
         _fill_constant_runs_(rows, runs, 0 if constant is None else constant)
     else:
-        _fill_random_runs_(rows, runs, value)
+        _fill_random_runs_(rows, runs, value, noise or NoiseBank())
     zeroed = constant is None and bool(value.mean or value.std)
     return FillReport(Written.ROWS, zeroed)
 
@@ -621,6 +635,12 @@ def _float8_as_bytes(
     if not _is_float8(rows.dtype):
         return rows, value
     return rows.view(torch.uint8), FillValue(value.mean, value.std, rows.dtype)
+
+
+def writes_zeros(dtype: torch.dtype, value: FillValue) -> bool:
+    """Whether a cache of `dtype` gets zeros whatever `value` (an integer
+    cache that is not fp8 bytes): a random fill of it is a constant one."""
+    return _constant_for(dtype, FillValue(0.0, 0.0, value.encoding)) is None
 
 
 def _constant_for(dtype: torch.dtype, value: FillValue) -> float | int | None:
@@ -672,78 +692,120 @@ def _indexed(rows: torch.Tensor, runs: RowRuns, as_words: bool = False) -> bool:
     return as_words or row_bytes < CPU_LOOP_MIN_ROW_BYTES
 
 
-def _fill_random_runs_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:
-    indexed = _indexed(rows, runs)
-    if rows.dtype in (torch.float32, torch.float64) and not indexed:
-        _sample_in_place_(rows, runs, value)
+class NoiseBank:
+    """Normal(mean, std) samples, drawn once and copied into every block a
+    random fill writes: a fill at the speed of a copy, on every device, with
+    one code path and a cost that does not depend on the random generator.
+
+    One bank per device, dtype, encoding and value, drawn at its first fill
+    (a worker's layout holds its banks: one draw per registration) as the
+    fill drew its samples before: in float32 (float64 for float64 caches),
+    clamped to the finite range of the dtype written, converted or, for fp8,
+    encoded. Each value is therefore still drawn from normal(mean, std),
+    clamped as before; but the k-th requested row of a tensor (in block
+    order) gets the bank's row ``k mod rows``: the bank's rows repeat every
+    `rows` rows (at least `NOISE_ROWS`), so blocks are not independent.
+    """
+
+    def __init__(self) -> None:
+        self._banks: dict[tuple, torch.Tensor] = {}
+        self._rows: dict[tuple, torch.Tensor] = {}  # a step asks per tensor
+
+    def rows(self, like: torch.Tensor, value: FillValue) -> torch.Tensor:
+        """The bank's rows for the rows of `like` (its dim 0 indexes rows),
+        as a contiguous ``(rows, *like.shape[1:])`` tensor of its dtype."""
+        key = (like.device, like.dtype, value, like.shape[1:])
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = self._bank_rows(like, value)
+        return rows
+
+    def _bank_rows(self, like: torch.Tensor, value: FillValue) -> torch.Tensor:
+        row_elements = max(1, math.prod(like.shape[1:]))
+        row_bytes = row_elements * like.element_size()
+        count = max(NOISE_ROWS, -(-NOISE_BYTES // row_bytes))
+        key = (like.device, like.dtype, value.encoding, value.mean, value.std)
+        bank = self._banks.get(key)
+        if bank is None:
+            bank = self._banks[key] = _draw(count * row_elements, like, value)
+        elif bank.numel() < count * row_elements:
+            # Grown, never redrawn: rows already copied stay the bank's rows.
+            more = _draw(count * row_elements - bank.numel(), like, value)
+            bank = self._banks[key] = torch.cat([bank, more])
+            self._rows.clear()  # views of the bank it replaces
+        return bank[: count * row_elements].view(count, *like.shape[1:])
+
+    def to(self, device: torch.device) -> NoiseBank:
+        """A bank holding the same samples on `device`: there its fills write
+        the bytes this bank's write here (a replay, ``tools/gpu_check.py``)."""
+        moved = NoiseBank()
+        for key, bank in self._banks.items():
+            moved._banks[(device,) + key[1:]] = bank.to(device)
+        return moved
+
+
+def _draw(elements: int, like: torch.Tensor, value: FillValue) -> torch.Tensor:
+    """`elements` samples of `value` in the dtype of `like` (fp8 bytes in
+    `value.encoding`), clamped to its finite range."""
+    sample_dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    samples = torch.empty(elements, dtype=sample_dtype, device=like.device)
+    samples.normal_(value.mean, value.std)
+    if like.dtype == sample_dtype:
+        return samples
+    return _encode(samples, like.dtype, value)
+
+
+def _fill_random_runs_(
+    rows: torch.Tensor, runs: RowRuns, value: FillValue, noise: NoiseBank
+) -> None:
+    """Copy the bank's rows into the requested rows, the k-th (in block
+    order) from bank row ``k mod len(bank)``: one copy where the rows are one
+    run no longer than the bank, else one broadcast ``index_put_`` of the
+    whole bank per bank's length of rows, and one for the rest (two kernels
+    and the index's copy per tensor, whatever the rows)."""
+    flat = _memory_order_rows(rows)
+    target = rows if flat is None else flat
+    bank = noise.rows(target, value)
+    if flat is not None:
+        target, bank = _as_words(flat, bank)
+    count = bank.shape[0]
+    if len(runs.runs) == 1 and runs.num_rows <= count:
+        start, length = runs.runs[0]
+        target[start : start + length].copy_(bank[:length])
         return
-    # 16-bit and fp8 caches are sampled in float32: normal_ is faster there,
-    # and copy_ rounds on the way in.
-    sample_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    converts = rows.dtype != sample_dtype and (indexed or rows.dtype == torch.uint8)
-    row_elements = max(1, rows[0].numel())
-    scratch = _scratch(
-        runs.num_rows * row_elements,
-        rows,
-        sample_dtype,
-        rows.dtype.itemsize if converts else 0,
-    )
-    rows_per_chunk = scratch.numel() // row_elements
-    if not indexed or rows_per_chunk == 0:
-        for start, length in runs.runs:
-            _copy_samples_(rows[start : start + length], scratch, value)
-        return
-    for chunk in runs.index(rows.device).split(rows_per_chunk):
-        samples = scratch[: chunk.numel() * row_elements].view(
-            (chunk.numel(), *rows.shape[1:])
-        )
-        samples.normal_(value.mean, value.std)
-        rows.index_copy_(0, chunk, _encode(samples, rows.dtype, value))
+    index = runs.index(rows.device)
+    whole = index.numel() // count * count
+    if whole:
+        target.index_put_((index[:whole].view(-1, count),), bank)
+    if whole < index.numel():
+        target.index_put_((index[whole:],), bank[: index.numel() - whole])
 
 
-def _sample_in_place_(rows: torch.Tensor, runs: RowRuns, value: FillValue) -> None:
-    """Sample straight into contiguous runs; others go through a scratch."""
-    for start, length in runs.runs:
-        run = rows[start : start + length]
-        if run.is_contiguous():
-            run.normal_(value.mean, value.std)
-        else:
-            _copy_samples_(run, _scratch(run.numel(), run, run.dtype, 0), value)
+def _memory_order_rows(rows: torch.Tensor) -> torch.Tensor | None:
+    """`rows` as ``(rows, elements)``, each row's elements in memory order,
+    or None where a row is not one dense range of memory. Samples are
+    interchangeable, so where in a row each lands does not matter; in memory
+    order a row is one contiguous range (0.33's pages permute heads and
+    tokens)."""
+    if rows.dim() < 2:
+        return None
+    inner = sorted(range(1, rows.dim()), key=rows.stride().__getitem__, reverse=True)
+    try:
+        return rows.permute(0, *inner).view(rows.shape[0], -1)
+    except RuntimeError:  # a row is not dense: taken as it is
+        return None
 
 
-def _scratch(
-    region_elements: int,
-    cache: torch.Tensor,
-    sample_dtype: torch.dtype,
-    conversion_bytes: int,
-) -> torch.Tensor:
-    """A sample buffer: half the region's bytes, within 1 MiB .. SCRATCH_BYTES."""
-    budget = region_elements * cache.dtype.itemsize // 2
-    budget = min(SCRATCH_BYTES, max(MIN_SCRATCH_BYTES, budget))
-    elements = budget // (sample_dtype.itemsize + conversion_bytes)
-    return torch.empty(
-        max(1, min(region_elements, elements)), dtype=sample_dtype, device=cache.device
-    )
-
-
-def _copy_samples_(view: torch.Tensor, scratch: torch.Tensor, value: FillValue) -> None:
-    """Overwrite `view` with fresh samples, never using more than `scratch`."""
-    if view.numel() == 0:
-        return
-    if view.numel() <= scratch.numel():
-        samples = scratch[: view.numel()].view(view.shape)
-        samples.normal_(value.mean, value.std)
-        # copy_ converts between floating dtypes itself; fp8 bytes need encoding.
-        if view.dtype == torch.uint8:
-            samples = _encode(samples, view.dtype, value)
-        view.copy_(_clamp_to_(samples, view.dtype))
-        return
-    if view.shape[0] == 1:
-        _copy_samples_(view[0], scratch, value)
-        return
-    rows_per_chunk = max(1, scratch.numel() // (view.numel() // view.shape[0]))
-    for part in view.split(rows_per_chunk):
-        _copy_samples_(part, scratch, value)
+def _as_words(
+    rows: torch.Tensor, bank: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, elements)`` `rows` and their bank as 16-byte words where they
+    divide into aligned ones (an indexed kernel costs per element), else as
+    they are. Words are moved, never computed: their bytes are kept."""
+    try:
+        return rows.view(torch.complex128), bank.view(torch.complex128)
+    except RuntimeError:  # not whole or aligned words
+        return rows, bank
 
 
 def _encode(

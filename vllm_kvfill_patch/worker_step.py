@@ -52,11 +52,22 @@ How
     (``fill.group_pages``). From the 0.33 KV-cache config: each layer's pool
     size (``num_blocks_of``), its spec's states per kernel block (compressed
     caches), and the layers given the raw buffer (no block rows: skipped with
-    one warning). What to write is upstream's
+    one warning). A Mamba layer registered as raw byte pages padded to the
+    attention page (0.27 - 0.28) is written up to its states' bytes, which
+    its spec tells (``cache_of``); from 0.29 the allocator's views hold the
+    state bytes alone. Random values are copied from samples drawn once per
+    registration (``fill.NoiseBank``). What to write is upstream's
     decision where the release takes it per layer (0.30+, ``fill_value``):
     zeros for circular-buffer groups, the layer's fp8 encoding, clamped to
     the dtype's finite range; ``startup_fill`` and the scheduler side stay
     upstream's own code.
+
+    A fill asked for while the current CUDA stream is being captured into a
+    graph is not issued (``capturing``, one warning): its index copy from
+    pinned host memory and its rows would be baked into the graph and
+    replayed, with that step's rows, at every later replay. The step is
+    otherwise upstream's: the scheduler side has recorded the requests as
+    filled, as upstream does, and their blocks keep what they hold.
 
 Upstream
     #25986 (the connector), #45080 (the whole-tensor state fill, 0.24.0),
@@ -80,6 +91,7 @@ Remove when
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,12 +104,14 @@ from vllm_kvfill_patch.fill import (
     BlockSet,
     FillReport,
     FillValue,
+    NoiseBank,
     PagesFill,
     Written,
     fill_cache_blocks_,
     fill_state_blocks_,
     find_block_dim,
     group_pages,
+    writes_zeros,
 )
 
 logger = init_logger("vllm.kvfill_patch")
@@ -129,10 +143,15 @@ class CacheLayout:
     """Per layer, the spec's states per kernel block of so many tokens
     (0.33: compressed caches store one state per several tokens)."""
     raw_layers: frozenset[str] = frozenset()
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """Per layer of a Mamba spec whose page is padded, the bytes of its
+    states at the start of each page (`cache_of`)."""
     """Layers registered as the raw backing buffer (0.33 specs without layer
     views, HiSparse): no block rows to fill, for upstream or for us."""
     pages_fills: PagesFills = field(default_factory=lambda: PagesFills())
     """Per group, how it is filled at once, if it can be."""
+    noise: NoiseBank = field(default_factory=NoiseBank)
+    """The random fills' samples, drawn once for this registration."""
 
 
 @dataclass
@@ -230,6 +249,13 @@ def fill_groups(
     num_blocks = _num_blocks(worker, layout)
     if num_blocks is None:
         return
+    if capturing():
+        logger.warning_once(
+            "vllm-kvfill-patch: a fill was asked for while the current CUDA "
+            "stream is capturing a graph; not filling (a graph would replay "
+            "this step's rows)"
+        )
+        return
     fills = layout.pages_fills.current(worker.kv_caches)
     pending: PagesFill | None = None
     pending_ids: list[int] = []
@@ -254,6 +280,13 @@ def fill_groups(
             pending_groups.append(group_idx)
     if pending is not None:
         _write_pages(pending, pending_ids, pending_groups)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph. Asked only where
+    CUDA is initialised: no graph can be capturing before, and a CPU build's
+    probe raises."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _write_pages(
@@ -320,16 +353,18 @@ def _fill_layer_by_layer(
         blocks = block_sets[pool_blocks]
         if not blocks.ids:
             continue
-        cache = worker.kv_caches.get(layer_name)
+        cache = cache_of(worker, layout, layer_name)
         value = fill_value(worker, layout, group_idx, layer_name)
         if isinstance(cache, torch.Tensor):
             states_of = layout.states_of.get(layer_name)
-            report = fill_cache_blocks_(cache, blocks, value, block_size, states_of)
+            report = fill_cache_blocks_(
+                cache, blocks, value, block_size, states_of, layout.noise
+            )
             _log_report(layer_name, report, cache, pool_blocks)
         elif isinstance(cache, (list, tuple)) and all(
             isinstance(state, torch.Tensor) for state in cache
         ):
-            reports = fill_state_blocks_(cache, blocks, value)
+            reports = fill_state_blocks_(cache, blocks, value, layout.noise)
             for state, report in zip(cache, reports, strict=True):
                 _log_report(layer_name, report, state, pool_blocks, state=True)
         else:
@@ -348,7 +383,7 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
     None where not. A group whose pages another group writes alike shares
     that group's fill."""
     layer_names = layout.group_to_layers.get(group_idx, [])
-    caches = [worker.kv_caches.get(name) for name in layer_names]
+    caches = [cache_of(worker, layout, name) for name in layer_names]
     layer_blocks = {
         layout.layer_blocks.get(name, layout.num_blocks) for name in layer_names
     }
@@ -362,6 +397,8 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
     ):
         return None
     (num_blocks,), (value,) = layer_blocks, values
+    if value.std > 0 and writes_zeros(caches[0].dtype, value):
+        value = FillValue(value.mean, 0.0, value.encoding)  # zeros all the same
     if num_blocks is None or value.std > 0:  # samples: layer by layer
         return None
     block_dims = [
@@ -469,12 +506,54 @@ def layout_from(cache_config: Any, kv_cache_config: Any, worker: Any) -> CacheLa
             for name, spec in layer_specs.items()
             if hasattr(spec, "get_num_kernel_states")
         },
+        state_bytes={
+            name: size
+            for name, spec in layer_specs.items()
+            if (size := padded_state_bytes(spec)) is not None
+        },
         raw_layers=frozenset(
             name
             for name, spec in layer_specs.items()
             if getattr(spec, "has_layer_views", True) is False
         ),
     )
+
+
+def padded_state_bytes(spec: Any) -> int | None:
+    """The bytes of a Mamba spec's states where its page is padded to a
+    larger size (to the attention page, so that groups share pages), else
+    None."""
+    shapes, dtypes = getattr(spec, "shapes", None), getattr(spec, "dtypes", None)
+    padded = getattr(spec, "page_size_padded", None)
+    if not (shapes and dtypes and isinstance(padded, int)):
+        return None
+    states = sum(
+        math.prod(shape) * dtype.itemsize
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+    return states if states < padded else None
+
+
+def cache_of(worker: Any, layout: CacheLayout, layer_name: str) -> Any:
+    """The layer's registered cache, as far as the fill writes it: a Mamba
+    layer registered as raw byte pages (0.27 - 0.28: ``(num_blocks, 1, 1,
+    page)`` int8, the page padded to the attention page) only up to its
+    states' bytes. The padding is never read; from 0.29 the allocator's
+    views cover the state bytes alone and are taken as they are."""
+    cache = worker.kv_caches.get(layer_name)
+    state_bytes = layout.state_bytes.get(layer_name)
+    if (
+        state_bytes is None
+        or not isinstance(cache, torch.Tensor)
+        or cache.element_size() != 1
+        or cache.dim() < 2
+        or math.prod(cache.shape[1:]) <= state_bytes
+    ):
+        return cache
+    try:
+        return cache.view(cache.shape[0], -1)[:, :state_bytes]
+    except RuntimeError:  # a page that is not one range of bytes: as it is
+        return cache
 
 
 def _layer_specs(group_spec: Any, layer_names: list[str]) -> list[tuple[str, Any]]:
