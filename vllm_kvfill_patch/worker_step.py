@@ -143,11 +143,11 @@ class CacheLayout:
     """Per layer, the spec's states per kernel block of so many tokens
     (0.33: compressed caches store one state per several tokens)."""
     raw_layers: frozenset[str] = frozenset()
+    """Layers registered as the raw backing buffer (0.33 specs without layer
+    views, HiSparse): no block rows to fill, for upstream or for us."""
     state_bytes: dict[str, int] = field(default_factory=dict)
     """Per layer of a Mamba spec whose page is padded, the bytes of its
     states at the start of each page (`cache_of`)."""
-    """Layers registered as the raw backing buffer (0.33 specs without layer
-    views, HiSparse): no block rows to fill, for upstream or for us."""
     pages_fills: PagesFills = field(default_factory=lambda: PagesFills())
     """Per group, how it is filled at once, if it can be."""
     noise: NoiseBank = field(default_factory=NoiseBank)
