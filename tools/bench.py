@@ -460,17 +460,7 @@ def step_row(
         "step": lambda: fill_step(worker, layout, reqs),
     }
     if series is not None:
-        # The patched file's own step, on a worker of its class over the
-        # same caches.
-        series_worker = bare_worker(
-            series.DecodeBenchConnectorWorker,
-            worker.kv_caches,
-            worker.group_to_layers,
-            worker.num_blocks,
-            mean,
-        )
-        series_metadata = series.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
-        calls["series"] = lambda: series_worker.start_fill_kv(series_metadata)
+        calls["series"] = series_step(series, worker, reqs, mean)
     in_turn = measure_in_turn(calls, device, timing)
     limit, step = in_turn["limit"], in_turn["step"]
     fewer = timing.with_repeats(max(1, timing.repeats // 4))
@@ -499,6 +489,22 @@ def step_row(
             f"{seconds(patched) / limit_s:.2f}x",
         ]
     return "| " + " | ".join(cells) + " |"
+
+
+def series_step(
+    series: ModuleType, worker: Any, reqs: dict, mean: float
+) -> Callable[[], None]:
+    """The patched file's own step, on a worker of its class over the same
+    caches."""
+    series_worker = bare_worker(
+        series.DecodeBenchConnectorWorker,
+        worker.kv_caches,
+        worker.group_to_layers,
+        worker.num_blocks,
+        mean,
+    )
+    metadata = series.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
+    return lambda: series_worker.start_fill_kv(metadata)
 
 
 ALLOCATED_KERNEL_SPLIT = 2
