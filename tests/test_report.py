@@ -231,7 +231,14 @@ def test_preemption_is_said_in_plain_words_when_any_mode_preempted():
 
 
 def test_the_picture_is_drawn(tmp_path):
-    pytest.importorskip("matplotlib")
+    try:
+        import matplotlib  # noqa: F401 - the report lock installs it
+    except ImportError as exc:
+        pytest.fail(
+            f"the picture needs matplotlib ({exc!r}); build the environment "
+            "with: python3 -m nox -s report",
+            pytrace=False,
+        )
     found, _ = rows(verdict_cells())
     drawn = draw(found, tmp_path / "decode.png", "synthetic")
     assert drawn == str(tmp_path / "decode.png")
