@@ -6,9 +6,8 @@ it starts, which calls :func:`install` in every process vLLM starts; with
 counters, cumulative, to ``<dir>/<pid>.json`` when the tool asks (:func:`ask`,
 through the FIFO ``<dir>/<pid>.ask``), and only then: before and after each
 run of ``vllm bench serve``, whose difference the tool takes. A write while
-vLLM decodes would take the worker's core from its step (about 0.6 ms a
-write): written twice a second, as they were, they fell on about one step in
-70 at concurrency 1, where a run's ITL p99 is its tenth largest of a thousand.
+vLLM decodes would take the worker's core from a step and land in the very
+tail ITL p99 measures.
 
 - ``reprefilled_tokens`` (scheduler): tokens computed in prefill chunks of
   requests vLLM had preempted: what a decode benchmark pays for a preempted
