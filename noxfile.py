@@ -193,11 +193,13 @@ def policy(session: nox.Session) -> None:
 
 @nox.session
 def report(session: nox.Session) -> None:
-    """The fidelity tool's statistics, plan, options and report, without vLLM
-    (its runs against real servers are in `engine`)."""
+    """The fidelity tool without vLLM: its statistics, plan, options and
+    report, its layers, control channel and placement of processes (its
+    runs against real servers are in `engine`)."""
     sync(session, "report")
     install_checkout(session)
-    session.run("pytest", "tests/test_report.py", *session.posargs)
+    tests = ["tests/test_report.py", "tests/test_fidelity_parts.py"]
+    session.run("pytest", *tests, *session.posargs)
 
 
 @nox.session

@@ -1,6 +1,7 @@
 """The fidelity tool's statistics, plan, arguments and report, without vLLM
 (the `report` session): what it concludes from given figures, and what it
-writes. Its runs against real servers: tests/engine/test_fidelity.py."""
+writes. Its other vLLM-free parts: tests/test_fidelity_parts.py; its runs
+against real servers: tests/engine/test_fidelity.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,10 @@ import random
 import numpy as np
 import pytest
 
-from vllm_kvfill_patch.fidelity import switch
 from vllm_kvfill_patch.fidelity.args import parse
-from vllm_kvfill_patch.fidelity.modes import IDEAL, PACKAGE, UPSTREAM, Setting
+from vllm_kvfill_patch.fidelity.modes import IDEAL, PACKAGE, UPSTREAM
 from vllm_kvfill_patch.fidelity.picture import draw
 from vllm_kvfill_patch.fidelity.plan import QUICK, THOROUGH, Plan, in_turn
-from vllm_kvfill_patch.fidelity.probe import FILL_BUCKETS, fill_bucket
 from vllm_kvfill_patch.fidelity.report import (
     TERMINAL_HEADINGS,
     Cell,
@@ -40,6 +39,7 @@ from vllm_kvfill_patch.fidelity.stats import (
     paired_ratio,
     pooled_ratio,
 )
+from vllm_kvfill_patch.fidelity.wire import FILL_BUCKETS, fill_bucket
 
 
 def synthetic_legs(tpot: list[float], itl: list[float], requests: int = 10) -> list:
@@ -290,22 +290,6 @@ def test_every_option_has_help_in_a_group_with_its_default_shown():
     assert said["legs"].endswith("(default: %(default)s)")
     assert "(default: 2; 6 with --thorough)" in said["rounds"]
     assert "%(default)" not in said["rounds"]
-
-
-def test_a_setting_crosses_the_control_channel_and_each_process_is_checked():
-    for setting in (UPSTREAM.setting, PACKAGE.setting, IDEAL.setting):
-        assert setting is not None
-        assert Setting.decoded(setting.encoded()) == setting
-        assert " " not in setting.encoded()
-    ideal = IDEAL.setting
-    assert ideal is not None
-    state = {"decision": "applied", "writes": False, "refill": [False]}
-    assert switch.mismatch(ideal, state) is None
-    wrong = {"decision": "reverted", "writes": True, "refill": [True]}
-    assert switch.mismatch(ideal, wrong) == (
-        "decision reverted, not applied; writes True, not False; "
-        "refill [True], not False"
-    )
 
 
 def test_settling_adds_rounds_of_the_package_and_the_ideal_where_undecided(

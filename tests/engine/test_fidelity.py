@@ -22,12 +22,12 @@ import time
 
 import pytest
 
-from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts, rerun_reason
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, PACKAGE, REFILL_PAIR
-from vllm_kvfill_patch.fidelity.serve import SITE, Server
+from vllm_kvfill_patch.fidelity.serve import SITE, Server, ask
+from vllm_kvfill_patch.fidelity.wire import DIR_ENV
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
 LEGS = 2
@@ -362,7 +362,6 @@ def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):
 
 COUNTING = """
 import os, sys, time
-from vllm_kvfill_patch.fidelity import probe
 probe.install()
 if os.fork() == 0:  # a child vLLM forks: it must not keep the FIFO open
     time.sleep(120)
@@ -378,7 +377,7 @@ time.sleep(120)
 def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
     tmp_path,
 ):
-    env = {**os.environ, probe.DIR_ENV: str(tmp_path)}
+    env = {**os.environ, DIR_ENV: str(tmp_path)}
     counting = subprocess.Popen(
         [sys.executable, "-c", COUNTING], stdout=subprocess.PIPE, text=True,
         env=env, start_new_session=True,
@@ -391,7 +390,7 @@ def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
         # Saved at its start, not since: nothing is written while vLLM decodes.
         at_start = json.loads(saved.read_text())
         assert (at_start["answered"], at_start["fill_calls"]) == (0, 0)
-        probe.ask(tmp_path, 1)
+        ask(tmp_path, 1)
         answer = json.loads(saved.read_text())
         assert (answer["answered"], answer["fill_calls"]) == (1, 7)
         assert answer["placement"]["cores"] == sorted(
@@ -401,7 +400,7 @@ def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
         counting.wait()
         # Its forked child lives on, but has closed the FIFO: no reader.
         asked = time.monotonic()
-        probe.ask(tmp_path, 2)
+        ask(tmp_path, 2)
         assert time.monotonic() - asked < 1
         assert json.loads(saved.read_text())["answered"] == 1
     finally:
@@ -411,7 +410,6 @@ def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
 
 STAND_IN = """
 import importlib, time
-from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.gating import CONNECTOR_MODULE
 probe.install()
 importlib.import_module(CONNECTOR_MODULE)  # as vLLM's processes have it
@@ -426,7 +424,7 @@ def test_a_process_that_does_not_switch_fails_the_switch_naming_it(tmp_path):
     # alone): asked to switch, the server names the first and why.
     server = Server("stand-in", [], {}, tmp_path)
     server.probe_dir.mkdir()
-    env = {**os.environ, probe.DIR_ENV: str(server.probe_dir)}
+    env = {**os.environ, DIR_ENV: str(server.probe_dir)}
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", script],

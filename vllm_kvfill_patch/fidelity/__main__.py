@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 from vllm_kvfill_patch import switches
-from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.args import parse
 from vllm_kvfill_patch.fidelity.client import Workload, bench
 from vllm_kvfill_patch.fidelity.cores import Placement
@@ -40,6 +39,7 @@ from vllm_kvfill_patch.fidelity.report import Cell, Key, rows
 from vllm_kvfill_patch.fidelity.serve import Server, first_error
 from vllm_kvfill_patch.fidelity.stats import Standing
 from vllm_kvfill_patch.fidelity.summary import report
+from vllm_kvfill_patch.fidelity.wire import DECODE_TOKENS_ENV, SUBNORMALS_ENV
 
 EMBEDDED_SERVE_ARGUMENTS = [
     "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
@@ -93,8 +93,8 @@ class Run:
         env = {
             **self.env,
             **(SERVER_ENV if connector else {switches.KILL_SWITCH: "1"}),
-            probe.DECODE_TOKENS_ENV: str(max(case.concurrencies)),
-            probe.SUBNORMALS_ENV: "1" if self.args.count_subnormals else "0",
+            DECODE_TOKENS_ENV: str(max(case.concurrencies)),
+            SUBNORMALS_ENV: "1" if self.args.count_subnormals else "0",
         }
         extra = serve_arguments(json.loads(self.args.fill_config)) if connector else []
         arguments = [*self.serve_arguments, *case.serve_args, *extra]

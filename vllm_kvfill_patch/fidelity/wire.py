@@ -1,0 +1,141 @@
+"""What the tool and the probe in each of vLLM's processes share: the
+environment the tool sets, the control channel's files and questions, the
+counters and their histogram's buckets, a connector mode's setting, and
+what a process answers.
+
+What runs inside `vllm serve` (`probe`, `switch`, `connector`) and what
+drives it from outside meet here and nowhere else: both import this module,
+and it imports neither, as vLLM's own benchmarks reach a server only
+through HTTP and files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+DIR_ENV = "KVFILL_FIDELITY_PROBE_DIR"
+"""The directory of a server's control channel; unset, the probe does
+nothing."""
+DECODE_TOKENS_ENV = "KVFILL_FIDELITY_DECODE_TOKENS"
+"""A forward pass of at most this many tokens is a decode step (the expert
+and subnormal counts see those only)."""
+SUBNORMALS_ENV = "KVFILL_FIDELITY_SUBNORMALS"
+"""``1``: count subnormal floats in every module's outputs (slower)."""
+
+QUESTIONS = ".ask"
+"""``<dir>/<pid>.ask``: each process's FIFO, which the tool writes its
+questions to (`question_line`)."""
+ANSWERS = ".json"
+"""``<dir>/<pid>.json``: each process's `Answer`, replaced whole at each
+question."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a connector mode switches in each of vLLM's processes."""
+
+    package: bool
+    """This package applied (else reverted: upstream's connector)."""
+    writes: bool
+    """The worker writes the fill (else nothing: the ideal)."""
+    refill: bool
+    """A preempted request is filled again (a decode node with an offload
+    tier) instead of recomputed."""
+
+    @property
+    def decision(self) -> str:
+        """This package's decision in the mode's processes."""
+        return "applied" if self.package else "reverted"
+
+    def encoded(self) -> str:
+        """One word, for the control channel."""
+        return ",".join(f"{k}={int(v)}" for k, v in vars(self).items())
+
+    @classmethod
+    def decoded(cls, word: str) -> Setting:
+        fields = dict(item.split("=") for item in word.split(","))
+        return cls(**{key: value == "1" for key, value in fields.items()})
+
+
+def question_line(number: int, setting: Setting | None = None) -> str:
+    """A question: its number, larger than any asked before, then the
+    setting the process puts in force before it answers, if any. One line
+    under PIPE_BUF bytes, so that it reaches the FIFO whole."""
+    return f"{number} {setting.encoded()}\n" if setting else f"{number}\n"
+
+
+def read_question(line: str) -> tuple[int, str]:
+    """A question's number, and its setting's word ("" for none)."""
+    number, _, setting = line.partition(" ")
+    return int(number), setting
+
+
+class InForce(TypedDict):
+    """What holds in a process with the connector, after a switch."""
+
+    decision: str  # this package's (`Setting.decision`)
+    writes: bool
+    refill: list[bool | None]  # one per scheduler-side connector
+    connectors: list[str]  # each connector's role: SCHEDULER, WORKER
+
+
+COUNTS = (
+    "reprefilled_tokens",
+    "expert_forwards",
+    "expert_imbalance_sum",
+    "subnormal_outputs",
+    "checked_outputs",
+    "fill_calls",
+    "fill_seconds",
+    "fill_histogram",
+)
+"""The counters of an `Answer`, cumulative in each process: a server's are
+their sum over its processes, a leg's their difference across it
+(`counted`)."""
+
+
+class Answer(TypedDict):
+    """A process's ``<pid>.json``: what held at its last answer."""
+
+    answered: int  # the question it answers (0: saved at the process's start)
+    kernels: list[str]  # the vLLM kernel libraries it mapped
+    placement: dict[str, Any]  # its name (process), cores and niceness
+    # After a setting: what holds, {"skipped": why} in a process without the
+    # connector, or {"error": why}; None before any.
+    switch: InForce | dict[str, str] | None
+    reprefilled_tokens: int
+    expert_forwards: int
+    expert_imbalance_sum: float
+    subnormal_outputs: int
+    checked_outputs: int
+    fill_calls: int
+    fill_seconds: float
+    fill_histogram: list[int]
+
+
+def counted(a: Any, b: Any, sign: int = 1) -> Any:
+    """a + sign * b, for counters (a histogram bucket by bucket)."""
+    if isinstance(a, list):
+        return [x + sign * y for x, y in zip(a, b, strict=True)]
+    return a + sign * b
+
+
+FILL_BUCKETS = 96
+"""Buckets of ``fill_histogram``, a quarter of an octave wide so that a
+percentile read from them is within 19% of the true one: bucket k counts
+the fills of at most ``fill_bucket_bound(k)`` seconds (and more than bucket
+k - 1's), from 1 us up; the last also counts any longer."""
+
+
+def fill_bucket_bound(bucket: int) -> float:
+    """The longest fill, in seconds, that `bucket` counts."""
+    return 1e-6 * 2 ** (bucket / 4)
+
+
+def fill_bucket(seconds: float) -> int:
+    """The bucket that counts a fill of `seconds`."""
+    if seconds <= 1e-6:
+        return 0
+    return min(FILL_BUCKETS - 1, math.ceil(4 * math.log2(seconds / 1e-6)))
