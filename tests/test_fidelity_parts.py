@@ -1,17 +1,28 @@
 """The fidelity tool's parts that need neither vLLM nor a server (the
-`report` session): its two layers and what they share. Its runs against
-real servers: tests/engine/test_fidelity.py."""
+`report` session): its two layers and what they share, the probe's control
+channel, where the tool puts processes, and when a leg is taken again. Its
+runs against real servers: tests/engine/test_fidelity.py."""
 
 from __future__ import annotations
 
 import ast
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity import probe
+from vllm_kvfill_patch.fidelity.client import read_in_bursts, rerun_reason
+from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
 from vllm_kvfill_patch.fidelity.modes import IDEAL, PACKAGE, UPSTREAM
-from vllm_kvfill_patch.fidelity.serve import SITE, mismatch
+from vllm_kvfill_patch.fidelity.serve import SITE, ask, mismatch
 from vllm_kvfill_patch.fidelity.wire import (
     COUNTS,
+    DIR_ENV,
     Answer,
     Setting,
     question_line,
@@ -118,3 +129,141 @@ def test_a_probes_answer_holds_every_counter_the_tool_reads(tmp_path):
     assert set(COUNTS) <= set(answer)
     assert answer["answered"] == 5
     assert answer["placement"]["process"]
+
+
+def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):
+    # vLLM's processes get the tool's sitecustomize first on PYTHONPATH; an
+    # environment's own (a later path entry) must still run there.
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    (ours / "sitecustomize.py").write_text(SITE)
+    marker = tmp_path / "ran"
+    (theirs / "sitecustomize.py").write_text(
+        f"open({str(marker)!r}, 'w').write(__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ours), str(theirs)])}
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+    assert marker.read_text() == "sitecustomize"
+
+
+COUNTING = """
+import os, sys, time
+from vllm_kvfill_patch.fidelity import probe
+probe.install()
+if os.fork() == 0:  # a child vLLM forks: it must not keep the FIFO open
+    time.sleep(120)
+    os._exit(0)
+while not probe._counters.path.exists():
+    time.sleep(0.01)
+probe._counters.fill_calls = 7
+print("counted", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
+    tmp_path,
+):
+    env = {**os.environ, DIR_ENV: str(tmp_path)}
+    counting = subprocess.Popen(
+        [sys.executable, "-c", COUNTING], stdout=subprocess.PIPE, text=True,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert counting.stdout is not None
+        assert counting.stdout.readline() == "counted\n"
+        saved = tmp_path / f"{counting.pid}.json"
+        time.sleep(1)
+        # Saved at its start, not since: nothing is written while vLLM decodes.
+        at_start = json.loads(saved.read_text())
+        assert (at_start["answered"], at_start["fill_calls"]) == (0, 0)
+        ask(tmp_path, 1)
+        answer = json.loads(saved.read_text())
+        assert (answer["answered"], answer["fill_calls"]) == (1, 7)
+        assert answer["placement"]["cores"] == sorted(
+            os.sched_getaffinity(counting.pid)
+        )
+        counting.kill()
+        counting.wait()
+        # Its forked child lives on, but has closed the FIFO: no reader.
+        asked = time.monotonic()
+        ask(tmp_path, 2)
+        assert time.monotonic() - asked < 1
+        assert json.loads(saved.read_text())["answered"] == 1
+    finally:
+        os.killpg(counting.pid, signal.SIGKILL)
+        counting.wait()
+
+
+def test_a_process_bound_to_fewer_cores_keeps_them_and_the_rest_move_off(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, "this test needs two cores"
+    # An API server's stand-in that starts two more processes, as vLLM's
+    # starts its engine core and worker.
+    tree = (
+        "import subprocess, sys, time\n"
+        "children = [subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(120)']) for _ in range(2)]\n"
+        "print(*(child.pid for child in children), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    leader = subprocess.Popen(
+        [sys.executable, "-c", tree], stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert leader.stdout is not None
+        worker, engine = map(int, leader.stdout.readline().split())
+        # Nothing bound (a GPU server's processes): nothing to move.
+        assert Placement.find(leader.pid) is None
+        os.sched_setaffinity(worker, {cores[0]})
+        placement = Placement.find(leader.pid)
+        assert placement is not None
+        assert placement.workers == (worker,)
+        assert placement.front_cores == frozenset(cores[1:])
+        assert sorted(placement.apply(leader.pid)) == [engine]
+        for pid, on, niceness in (
+            (leader.pid, cores[1:], 0),
+            (engine, cores[1:], LOWERED_NICENESS),
+            (worker, cores[:1], 0),
+        ):
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                assert sorted(os.sched_getaffinity(int(thread))) == on, pid
+                assert os.getpriority(os.PRIO_PROCESS, int(thread)) == niceness
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+
+
+def test_vllms_client_measures_on_the_given_cores_without_the_garbage_collector():
+    before = os.sched_getaffinity(0)
+    one = frozenset({min(before)})
+    with measuring(one):
+        assert os.sched_getaffinity(0) == one
+        assert not gc.isenabled()
+    assert os.sched_getaffinity(0) == before
+    assert gc.isenabled()
+    with measuring(None):
+        assert os.sched_getaffinity(0) == before
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_leg_read_in_bursts_or_with_lost_requests_is_taken_again():
+    per_leg, output = 4, 16
+    streamed = {
+        "num_prompts": per_leg,
+        "completed": per_leg,
+        "itls": [[0.01] * (output - 1)] * per_leg,
+    }
+    assert read_in_bursts(streamed) == 0 and rerun_reason(streamed) is None
+    # A client kept off the CPU reads a whole output at once: ITLs of 0.
+    one_burst = [[0.0] * (output - 2) + [0.6]] + streamed["itls"][1:]
+    reason = rerun_reason({**streamed, "itls": one_burst})
+    assert reason is not None and "read 1 requests' tokens in bursts" in reason
+    lost = "Traceback (most recent call last):\n  ...\nServerDisconnectedError: gone\n"
+    failed = {**streamed, "completed": per_leg - 1, "errors": ["", lost]}
+    assert rerun_reason(failed) == (
+        f"1 of {per_leg} requests failed: ServerDisconnectedError: gone"
+    )

