@@ -292,6 +292,22 @@ def test_every_option_has_help_in_a_group_with_its_default_shown():
     assert "%(default)" not in said["rounds"]
 
 
+def test_every_option_of_the_values_command_has_help_in_a_group_with_its_default():
+    from vllm_kvfill_patch.fidelity.values import parser
+
+    built = parser()
+    titles = {a.dest: g.title for g in built._action_groups for a in g._group_actions}
+    options = [a for a in built._actions if a.option_strings != ["-h", "--help"]]
+    assert all(action.help for action in options)
+    assert {titles[a.dest] for a in options} == {"what is measured", "files"}
+    helped = built._get_formatter()
+    said = {a.dest: helped._get_help_string(a) for a in options}
+    for shown in ("concurrency", "input_len", "cycles", "fill_config"):
+        assert said[shown].endswith("(default: %(default)s)"), shown
+    for unset in ("model_dir", "output"):  # None: the help says what happens
+        assert "%(default)" not in said[unset] and "default: " in said[unset]
+
+
 def test_settling_adds_rounds_of_the_package_and_the_ideal_where_undecided(
     tmp_path, capsys
 ):

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kvfill_patch.fidelity.args import HelpFormatter
 from vllm_kvfill_patch.fidelity.model import (
     EMBEDDED_ENV,
     SPECIAL_TOKENS,
@@ -51,23 +52,35 @@ STATES = ("real", "fill", "zero")
 """The KV-cache contents a decode step is timed on; `real` is the reference."""
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help, grouped, its default
+    shown."""
     parser = argparse.ArgumentParser(
         prog="python -m vllm_kvfill_patch.fidelity.values",
         description=(__doc__ or "").splitlines()[0],
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument(
+    measured = parser.add_argument_group("what is measured")
+    measured.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 8, 32],
+        help="requests decoding together in a timed step, each in turn",
+    )  # fmt: skip
+    measured.add_argument(
+        "--input-len", type=int, default=512, help="prompt tokens of each request"
+    )
+    measured.add_argument(
         "--cycles", type=int, default=200, help="decode steps per state and batch"
     )
-    add_fill_config_argument(parser)
-    parser.add_argument(
+    add_fill_config_argument(measured)
+    files = parser.add_argument_group("files")
+    files.add_argument(
         "--model-dir", type=Path,
         help="where the embedded model is written (default: a temporary directory)",
     )  # fmt: skip
-    parser.add_argument("--output", type=Path, help="a JSON file for the steps' times")
-    return parser.parse_args(argv)
+    files.add_argument(
+        "--output", type=Path, help="a JSON file for the steps' times (default: none)"
+    )
+    return parser
 
 
 def whole_storages(kv_caches: dict) -> list[Any]:
@@ -223,7 +236,7 @@ def table(results: dict[int, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    args = parser().parse_args(argv)
 
     os.environ.update(EMBEDDED_ENV)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
