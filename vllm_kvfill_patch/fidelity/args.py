@@ -16,13 +16,13 @@ one server, runs vLLM's own `vllm bench serve` against each mode leg by leg,
 and says per concurrency whether each mode is within the bar of the ideal
 (TPOT p50 ±2%, ITL p99 ±5%). Method and results: docs/benchmark.md."""
 
-THOROUGH_COST = (
-    f"{THOROUGH.rounds} rounds of {THOROUGH.steps_per_run} decode steps, then up "
-    f"to {THOROUGH.settle_minutes:g} minutes of more rounds where the package's "
+THOROUGH_HELP = (
+    f"{THOROUGH.rounds} rounds of {THOROUGH.steps_per_run} decode steps (the "
+    f"default: {QUICK.rounds} of {QUICK.steps_per_run}), then up to "
+    f"{THOROUGH.settle_minutes:g} minutes of more rounds where the package's "
     f"interval reaches both sides of the bar, and the step-by-step comparison "
-    f"of the fill's values ({THOROUGH.value_cycles} cycles): 25 - 40 minutes "
-    f"on 2 cores, against about 7 for the default ({QUICK.rounds} rounds of "
-    f"{QUICK.steps_per_run} steps)"
+    f"of the fill's values ({THOROUGH.value_cycles} cycles): narrower intervals, "
+    f"in a longer run (timings: docs/benchmark.md)"
 )
 
 
@@ -105,7 +105,7 @@ def add_workload(group: argparse._ArgumentGroup) -> None:
 
 
 def add_length(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--thorough", action="store_true", help=THOROUGH_COST)
+    group.add_argument("--thorough", action="store_true", help=THOROUGH_HELP)
     group.add_argument(
         "--rounds", type=int,
         help=f"rounds of the main case (default: {QUICK.rounds}; "
