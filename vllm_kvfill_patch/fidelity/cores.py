@@ -122,8 +122,8 @@ def _listed(cores: frozenset[int]) -> str:
 def measuring(front_cores: frozenset[int] | None) -> Iterator[None]:
     """While vLLM's client measures, in this thread: on `front_cores` (when
     given), and without Python's cyclic garbage collector, whose full
-    collections of this process (torch and vLLM imported) stop the client
-    for 0.1 - 0.3 s, read as inter-token latency."""
+    collections of this process (torch and vLLM imported, a large heap to
+    walk) would stop the client mid-stream, read as inter-token latency."""
     before = os.sched_getaffinity(0) if front_cores else None
     if front_cores:
         os.sched_setaffinity(0, front_cores)

@@ -3,10 +3,10 @@
     python -m vllm_kvfill_patch.fidelity.values                # embedded model
     python -m vllm_kvfill_patch.fidelity.values --concurrency 8 --cycles 200
 
-End to end, a small difference between modes drowns in a machine's noise
-(on 2 cores one mode's TPOT moves 10 - 30% from run to run). Here the modes
-take turns step by step instead, in one in-process vLLM engine running the
-same requests: before each decode step the whole KV cache is set to one of
+End to end, a small difference between modes drowns in the machine's noise,
+which moves a mode's TPOT from run to run. Here the modes take turns step by
+step, in one in-process vLLM engine running the same requests: before each
+decode step the whole KV cache is set to one of
 
 - ``real``: what real prefill of the requests left in it (the truth);
 - ``fill``: the same, then DecodeBenchConnector's fill of the requests'
