@@ -185,10 +185,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def policy(session: nox.Session) -> None:
-    """tools/matrix.py, docs/releases.md's tables, locks/, patches/ agree (no vLLM)."""
+    """tools/matrix.py, docs/releases.md's tables, locks/, patches/ agree, and
+    the package's imports point one way (no vLLM)."""
     sync(session, "policy")
     install_checkout(session)
-    session.run("pytest", "tests/test_policy.py", *session.posargs)
+    tests = ["tests/test_policy.py", "tests/test_layers.py"]
+    session.run("pytest", *tests, *session.posargs)
 
 
 @nox.session

@@ -211,13 +211,13 @@ def refill_forgotten():
     """Inside the block a connector may ask for the refill; after it, this
     process's patch is as if none had (the installer keeps the request)."""
     import vllm_kvfill_patch
-    from vllm_kvfill_patch import Decision
+    from vllm_kvfill_patch import Decision, installer
 
     try:
         yield
     finally:
         if vllm_kvfill_patch.status().decision is Decision.APPLIED:
-            vllm_kvfill_patch._installer.refill_source = ""
+            installer._installer.refill_source = ""
             vllm_kvfill_patch.revert()
             assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
 
