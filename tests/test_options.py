@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import overlay_reverted, refill_forgotten
+from tests.helpers import applied_defects, overlay_reverted, refill_forgotten
 from tests.hybrid import (
     BLOCK_SIZE,
     make_pool,
@@ -82,7 +82,9 @@ def test_good_options_build_a_connector(options, vllm_config_for):
         build(role, vllm_config_for(**options))
 
 
-def test_the_refill_option_puts_the_refill_in_and_says_so(vllm_config_for, vllm_log):
+def test_the_refill_option_puts_the_refill_in_and_says_so(
+    vllm_config_for, vllm_log, vllm_version
+):
     import vllm_kvfill_patch
 
     default = scheduler_connector(vllm_config_for(), [BLOCK_SIZE])
@@ -94,7 +96,11 @@ def test_the_refill_option_puts_the_refill_in_and_says_so(vllm_config_for, vllm_
         assert connector.connector_scheduler._kvfill_refill_preempted is True
         status = vllm_kvfill_patch.status()
         assert status.parts[-1] == "refill"
-        assert status.semantics.startswith("a decode node with an offload tier")
+        assert status.semantics == (
+            "a decode node with an offload tier: a preempted request filled again"
+        )
+        assert status.semantics_why == "refill_preempted in the connector's options"
+        assert status.defects == applied_defects(vllm_version)
         assert status.reason.endswith(
             "; semantics: a decode node with an offload tier: a preempted request "
             "filled again (refill_preempted in the connector's options)"

@@ -88,7 +88,7 @@ def test_by_default_a_preempted_request_is_recomputed_as_on_a_decode_node(
         ["import package", "load plugins", "import connector"],
     )
     assert report["status"]["parts"] == applied_parts(vllm_version)
-    assert report["status"]["reason"].endswith(DECODE_NODE_DEFAULT)
+    assert report["status"]["reason"].endswith(f"; semantics: {DECODE_NODE_DEFAULT}")
     assert (report["refill"], report["zero-token"]) == ("upstream", "not offered")
 
 
@@ -115,9 +115,7 @@ def test_the_refill_switch_sets_the_semantics_and_says_so(switch, vllm_version):
     parts = applied_parts(vllm_version, refill=refill)
     assert report["wrappers"] == wrappers_for(parts)
     assert report["status"]["parts"] == parts
-    assert report["status"]["reason"] == applied_reason(
-        vllm_version, f"; semantics: {semantics}"
-    )
+    assert report["status"]["reason"] == applied_reason(vllm_version, semantics)
     assert report["refill"] == ("refill" if refill else "upstream")
     # The refill reloads what a preempted request held, generated tokens too.
     assert report["zero-token"] == ("offered" if refill else "not offered")

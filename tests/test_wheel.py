@@ -15,7 +15,13 @@ from importlib import metadata
 from pathlib import Path
 
 from tests import children
-from tests.helpers import applied_reason, patches_by_release, run_fresh, status_command
+from tests.helpers import (
+    DECODE_NODE_DEFAULT,
+    applied_defects,
+    patches_by_release,
+    run_fresh,
+    status_command,
+)
 
 
 def installed_distribution() -> metadata.Distribution:
@@ -99,7 +105,8 @@ def test_status_command_names_and_prints_the_patch_from_the_wheel(
     ours = metadata.version("vllm-kvfill-patch")
     assert f"hot-fix:      vllm-kvfill-patch {ours}\n" in out
     assert "decision:     applied" in out
-    assert f"reason:       {applied_reason(vllm_version)}" in out
+    assert f"defects:      {applied_defects(vllm_version)}\n" in out
+    assert f"semantics:    {DECODE_NODE_DEFAULT}\n" in out
     names = ", ".join(p.name for p in series)
     assert f"patches:      {len(series)} for this release, in order: {names}" in out
     printed = subprocess.run(

@@ -13,7 +13,7 @@ from importlib import metadata
 from importlib.resources import files
 from typing import TYPE_CHECKING
 
-from vllm_kvfill_patch import __version__, load_vllm_plugin, status
+from vllm_kvfill_patch import Decision, __version__, load_vllm_plugin, status
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM version: {current.vllm_version or 'not installed'}")
     print(f"decision:     {current.decision.value}")
     print(f"parts:        {', '.join(current.parts) or 'none'}")
-    print(f"semantics:    {current.semantics}")
-    print(f"reason:       {current.reason}")
+    label = "defects:" if current.decision is Decision.APPLIED else "reason:"
+    print(f"{label:<14}{current.defects}")
+    why = f" ({current.semantics_why})" if current.semantics_why else ""
+    print(f"semantics:    {current.semantics}{why}")
     if series:
         print(
             f"patches:      {len(series)} for this release, in order: "

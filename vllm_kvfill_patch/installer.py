@@ -24,7 +24,8 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -40,40 +41,53 @@ from vllm_kvfill_patch.gating import (
     PREFIX_HIT,
     REFILL,
     Decision,
+    Verdict,
     judge,
 )
 
-KILL_SWITCH = switches.KILL_SWITCH
-_DISABLED_REASON = f"{KILL_SWITCH} is set"
-REFILL_SWITCH = switches.REFILL_SWITCH
+Wrapper = Callable[[Any, Any, tuple, dict], Any]
 
+_DISABLED_REASON = f"{switches.KILL_SWITCH} is set"
+
+NOT_APPLIED = "upstream's (this package is not applied)"
 DECODE_NODE = (
     "a decode node's: each request filled once, a preempted request recomputed"
 )
 OFFLOAD_TIER = "a decode node with an offload tier: a preempted request filled again"
+UPSTREAM_REFILL = "upstream's: a preempted request filled again"
 
 
 @dataclass(frozen=True)
 class PatchStatus:
-    """What the patch decided in this process, and why."""
+    """What the patch decided in this process, and why, as fields: the log
+    line and ``python -m vllm_kvfill_patch`` print them, so that none of it
+    is read back out of a sentence."""
 
     vllm_version: str | None
     decision: Decision
-    reason: str
+    defects: str
+    """What the probes of upstream's own methods found wrong ("; " between
+    them) where the decision is ``applied``; otherwise why the patch is not
+    in force."""
     parts: tuple[str, ...] = ()
     """The parts of the patch active in this process: "fill" (worker side,
     ``worker_step``), "fill-once", "prefix-hit" and the opt-in "refill"
     (scheduler side: ``fill_once``, ``prefix_hit``, ``preemption``), and
     "options" (the connector's options checked: ``options``)."""
+    semantics: str = NOT_APPLIED
+    """What the benchmark emulates after a preemption: a decode node's
+    recompute, or (the opt-in refill) a node with an offload tier; upstream's
+    own where the patch is not applied."""
+    semantics_why: str = ""
+    """What set the semantics (a switch, a connector's options, the refill
+    being opt-in); empty where the patch is not applied."""
 
     @property
-    def semantics(self) -> str:
-        """What the benchmark emulates after a preemption, in words: a decode
-        node's recompute, or (the opt-in refill) a node with an offload tier;
-        upstream's own where the patch is not applied."""
-        if self.decision is not Decision.APPLIED:
-            return "upstream's (this package is not applied)"
-        return OFFLOAD_TIER if REFILL in self.parts else DECODE_NODE
+    def reason(self) -> str:
+        """The defects, then the semantics in force and why: the log line's."""
+        if not self.semantics_why:
+            return self.defects
+        return f"{self.defects}; semantics: {self.semantics} ({self.semantics_why})"
 
 
 @dataclass
@@ -87,9 +101,8 @@ class _Installer:
     handles: dict[str, wrapt.FunctionWrapper] = field(default_factory=dict)
     """Our wrappers in the connector module, by dotted path: the handles that
     remove exactly them. A handle stays here while ours cannot be removed."""
-    applied_reason: str = ""
-    """Why the gating applied the patch, for when a kept wrapper is re-armed."""
-    applied_parts: tuple[str, ...] = ()
+    applied: PatchStatus | None = None
+    """The status the gating's verdict gave, for when a kept wrapper is re-armed."""
     refill_available: bool = False
     """Upstream recomputes preempted requests here: the refill can be opted
     into (by a connector's options, after the decision)."""
@@ -113,7 +126,7 @@ def apply() -> PatchStatus:
     """
     with _installer.lock:
         try:
-            if _kill_switch_on():
+            if switches.kill_switch_on():
                 _installer.wanted = False
                 leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
                 _decide(Decision.DISABLED, _DISABLED_REASON + leftover)
@@ -121,14 +134,11 @@ def apply() -> PatchStatus:
                 _installer.wanted = True
                 module = sys.modules.get(CONNECTOR_MODULE)
                 _forget_replaced_wrappers(module)
-                if _installer.handles:  # still in place: active again,
-                    if module is not None:  # with what revert() took out
-                        _install(module, _installer.applied_parts)
-                    _decide(
-                        Decision.APPLIED,
-                        _installer.applied_reason,
-                        _installer.applied_parts,
-                    )
+                applied = _installer.applied
+                if _installer.handles and applied is not None:  # still in place:
+                    if module is not None:  # active again, with what revert()
+                        _install(module, applied.parts)  # took out
+                    _record(applied)
                 else:
                     _register_hook()
         except Exception as exc:  # noqa: BLE001 - apply() never raises
@@ -179,6 +189,45 @@ def load_vllm_plugin() -> None:
         )
 
 
+def refill_opted_in(source: str) -> None:
+    """A connector's options (or the fidelity tool) asked for the refill: put
+    it in, and say so in this process's status, with `source` as the why.
+    Handed to the options part when it is installed; never raises: it runs
+    while a connector is built."""
+    with _installer.lock:
+        try:
+            _installer.refill_source = source
+            applied = _installer.applied
+            if (
+                not _installer.refill_available
+                or applied is None
+                or REFILL in applied.parts
+                or switches.refill_switch() is False
+            ):
+                return
+            _installer.applied = _with_refill(applied, source)
+            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
+                _install(sys.modules[CONNECTOR_MODULE], _installer.applied.parts)
+                _record(_installer.applied)
+        except Exception as exc:  # noqa: BLE001 - never fail building a connector
+            _decide(
+                Decision.REFUSED,
+                f"installing the refill failed: {type(exc).__name__}: {exc}",
+            )
+
+
+def register_on_import() -> None:
+    """What importing the package does: register the hook now. With the kill
+    switch set, the status says so without a log line (no vLLM version to
+    name yet); apply() and the plugin log it."""
+    with _installer.lock:
+        if switches.kill_switch_on():
+            _installer.status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
+        else:
+            _installer.wanted = True
+            _register_hook()
+
+
 def _register_hook() -> None:
     if _installer.hook_registered:
         return
@@ -193,18 +242,19 @@ def _on_connector_import(module: ModuleType) -> None:
         _installer.hook_registered = False
         if not _installer.wanted or _installer.handles:
             return
-        if _kill_switch_on():  # set after this package was imported
+        if switches.kill_switch_on():  # set after this package was imported
             _decide(Decision.DISABLED, _DISABLED_REASON)
             return
         try:
             verdict = judge(module, _vllm_version())
-            parts, reason = _with_semantics(verdict.parts, verdict.reason, verdict)
-            if verdict.decision is Decision.APPLIED:
-                _install(module, parts)
-                _installer.applied_reason = reason
-                _installer.applied_parts = parts
-                _installer.refill_available = verdict.refill_available
-            _decide(verdict.decision, reason, parts)
+            if verdict.decision is not Decision.APPLIED:
+                _decide(verdict.decision, verdict.reason)
+                return
+            applied = _applied_status(verdict)
+            _install(module, applied.parts)
+            _installer.applied = applied
+            _installer.refill_available = verdict.refill_available
+            _record(applied)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's import
             leftover = ""
             try:
@@ -217,57 +267,52 @@ def _on_connector_import(module: ModuleType) -> None:
             )
 
 
-def _with_semantics(
-    parts: tuple[str, ...], reason: str, verdict: Any
-) -> tuple[tuple[str, ...], str]:
-    """The parts and reason with the refill as the switch (else a connector's
-    options, once one asked) sets it, and the semantics in force said."""
-    if verdict.decision is not Decision.APPLIED:
-        return parts, reason
+def _applied_status(verdict: Verdict) -> PatchStatus:
+    """The status of an applied verdict: its parts, with the refill where the
+    switch (else a connector's options, once one asked) puts it in, and the
+    semantics in force, with what set them."""
+    applied = PatchStatus(
+        _vllm_version(), Decision.APPLIED, verdict.reason, verdict.parts
+    )
     if not verdict.refill_available:
-        return parts, f"{reason}; semantics: upstream's refill after preemption"
+        why = "upstream's connector fills a preempted request again itself"
+        return replace(applied, semantics=UPSTREAM_REFILL, semantics_why=why)
     switch, source = switches.refill_switch(), _installer.refill_source
     if switch is True or (switch is None and source):
-        why = f"{REFILL_SWITCH}=1" if switch else source
-        return (*parts, REFILL), f"{reason}; semantics: {OFFLOAD_TIER} ({why})"
+        return _with_refill(
+            applied, f"{switches.REFILL_SWITCH}=1" if switch else source
+        )
     if switch is False:
-        why = f"{REFILL_SWITCH}=0"
+        why = f"{switches.REFILL_SWITCH}=0"
     else:
         why = "the refill is opt-in: refill_preempted in the connector's options"
         if unknown := switches.refill_switch_unknown():
-            why += f"; {REFILL_SWITCH}={unknown!r} is neither 1 nor 0, ignored"
-    return parts, f"{reason}; semantics: {DECODE_NODE} ({why})"
+            why += f"; {switches.REFILL_SWITCH}={unknown!r} is neither 1 nor 0, ignored"
+    return replace(applied, semantics=DECODE_NODE, semantics_why=why)
 
 
-def refill_opted_in(source: str) -> None:
-    """A connector's options (or the fidelity tool) asked for the refill: put
-    it in, and say so in this process's status, with `source` as the why.
-    Handed to the options part when it is installed; never raises: it runs
-    while a connector is built."""
-    with _installer.lock:
-        try:
-            _installer.refill_source = source
-            if (
-                not _installer.refill_available
-                or REFILL in _installer.applied_parts
-                or switches.refill_switch() is False
-            ):
-                return
-            defects = _installer.applied_reason.split("; semantics: ")[0]
-            parts = (*_installer.applied_parts, REFILL)
-            reason = f"{defects}; semantics: {OFFLOAD_TIER} ({source})"
-            _installer.applied_parts, _installer.applied_reason = parts, reason
-            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
-                _install(sys.modules[CONNECTOR_MODULE], parts)
-                _decide(Decision.APPLIED, reason, parts)
-        except Exception as exc:  # noqa: BLE001 - never fail building a connector
-            _decide(
-                Decision.REFUSED,
-                f"installing the refill failed: {type(exc).__name__}: {exc}",
-            )
+def _with_refill(applied: PatchStatus, why: str) -> PatchStatus:
+    """`applied` with the refill in, and the semantics it sets, asked for by `why`."""
+    return replace(
+        applied,
+        parts=(*applied.parts, REFILL),
+        semantics=OFFLOAD_TIER,
+        semantics_why=why,
+    )
 
 
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
+    for part in parts:
+        for path, wrapper in _wrappers(part).items():
+            if path not in _installer.handles:
+                _installer.handles[path] = wrapt.wrap_function_wrapper(
+                    module, path, _while_ours(path, wrapper)
+                )
+
+
+def _wrappers(part: str) -> Mapping[str, Wrapper]:
+    """What `part` wraps, by dotted path in the connector module; the options
+    part is handed :func:`refill_opted_in` to report a refill to."""
     # Imported here: they import vLLM's logger, and vLLM is loaded by now.
     from vllm_kvfill_patch import (
         fill_once,
@@ -277,22 +322,18 @@ def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
         worker_step,
     )
 
-    wrappers: dict[str, dict[str, Any]] = {
+    if part == OPTIONS:
+        return options.wrappers(refill_opted_in)
+    by_part: dict[str, Mapping[str, Wrapper]] = {
         FILL: worker_step.WRAPPERS,
         FILL_ONCE: fill_once.WRAPPERS,
         PREFIX_HIT: prefix_hit.WRAPPERS,
-        OPTIONS: options.wrappers(refill_opted_in),
         REFILL: preemption.WRAPPERS,
     }
-    for part in parts:
-        for path, wrapper in wrappers[part].items():
-            if path not in _installer.handles:
-                _installer.handles[path] = wrapt.wrap_function_wrapper(
-                    module, path, _while_ours(path, wrapper)
-                )
+    return by_part[part]
 
 
-def _while_ours(path: str, wrapper: Any) -> Any:
+def _while_ours(path: str, wrapper: Wrapper) -> Wrapper:
     """`wrapper` while the patch is wanted and this wrapper is the one kept
     for `path`; upstream's method otherwise.
 
@@ -357,13 +398,18 @@ def _in_place(module: ModuleType | None, path: str, handle: Any) -> bool:
     )
 
 
-def _decide(decision: Decision, reason: str, parts: tuple[str, ...] = ()) -> None:
-    """Record a decision; log it when it is news in this process."""
-    new_status = PatchStatus(_vllm_version(), decision, reason, parts)
+def _decide(decision: Decision, why: str) -> None:
+    """Record a decision other than ``applied``: why it holds, no parts."""
+    _record(PatchStatus(_vllm_version(), decision, why))
+
+
+def _record(new_status: PatchStatus) -> None:
+    """Make `new_status` this process's; log it when it is news here."""
     if _installer.logged and new_status == _installer.status:
         return
     _installer.status, _installer.logged = new_status, True
     level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
+    parts = new_status.parts
     # Which process decided: a topology's processes (DP ranks, pipeline
     # stages, nodes) each decide, and not every launcher prefixes its lines.
     decision_log.log(
@@ -390,22 +436,6 @@ def _connector_exists() -> bool:
         raise
 
 
-def _kill_switch_on() -> bool:
-    return switches.kill_switch_on()
-
-
 def _vllm_version() -> str | None:
     vllm = sys.modules.get("vllm")
     return getattr(vllm, "__version__", None) if vllm is not None else None
-
-
-def register_on_import() -> None:
-    """What importing the package does: register the hook now. With the kill
-    switch set, the status says so without a log line (no vLLM version to
-    name yet); apply() and the plugin log it."""
-    with _installer.lock:
-        if _kill_switch_on():
-            _installer.status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
-        else:
-            _installer.wanted = True
-            _register_hook()

@@ -49,15 +49,13 @@ from vllm_kvfill_patch import switches
 
 logger = init_logger("vllm.kvfill_patch")
 
-Wrapper = Callable[[Any, Any, tuple, dict], Any]
-
 REFILL_OPTION = "refill_preempted"
 REFILL_ATTR = "_kvfill_refill_preempted"
 """On the connector's scheduler side: whether a preempted request is filled
 again (``preemption`` reads it)."""
 
 
-def wrappers(report_refill: Callable[[str], None]) -> dict[str, Wrapper]:
+def wrappers(report_refill: Callable[[str], None]) -> dict[str, Callable[..., Any]]:
     """The attributes this part wraps, by dotted path in the connector module.
 
     `report_refill` is the installer's: told what asked for the refill, it
