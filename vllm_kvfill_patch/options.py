@@ -3,7 +3,7 @@ checked when it is built, and the refill's opt-in is read there.
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
-    ``DecodeBenchConnector.__init__`` is wrapped by :func:`check_options`,
+    ``DecodeBenchConnector.__init__`` is wrapped by ``check_options``,
     in every role (the scheduler's and each worker's connector).
 
 Why
@@ -24,7 +24,8 @@ How
     the refill is in force for this connector (``KVFILL_PATCH_REFILL``, else
     ``refill_preempted``, else off) is kept on its scheduler side for
     ``preemption`` to read, and a refill asked for by the option is reported
-    to the installer, which puts the refill in and says so in the status.
+    to the installer, through the callback it hands :func:`wrappers`: it
+    puts the refill in and says so in the status.
 
 Upstream
     No release checks these options; ``refill_preempted`` is this package's.
@@ -39,6 +40,7 @@ Remove when
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -53,26 +55,32 @@ REFILL_ATTR = "_kvfill_refill_preempted"
 again (``preemption`` reads it)."""
 
 
-def check_options(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of ``DecodeBenchConnector.__init__``."""
-    vllm_config = _vllm_config(*args, **kwargs)
-    options = extra_config(vllm_config)
-    refill_option = check(options)
-    result = wrapped(*args, **kwargs)
-    refill = refill_in_force(refill_option)
-    scheduler = getattr(connector, "connector_scheduler", None)
-    if scheduler is not None:
-        setattr(scheduler, REFILL_ATTR, refill)
-    if refill:
-        import vllm_kvfill_patch
+def wrappers(report_refill: Callable[[str], None]) -> dict[str, Callable[..., Any]]:
+    """The attributes this part wraps, by dotted path in the connector module.
 
-        switched = switches.refill_switch() is True
-        vllm_kvfill_patch.refill_opted_in(
-            f"{switches.REFILL_SWITCH}=1"
-            if switched
-            else f"{REFILL_OPTION} in the connector's options"
-        )
-    return result
+    `report_refill` is the installer's: told what asked for the refill, it
+    puts the refill in and says so. The installer hands it over when it
+    installs this part, so that this part never imports the installer back.
+    """
+
+    def check_options(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+        """Wrapper of ``DecodeBenchConnector.__init__``."""
+        vllm_config = _vllm_config(*args, **kwargs)
+        refill_option = check(extra_config(vllm_config))
+        result = wrapped(*args, **kwargs)
+        refill = refill_in_force(refill_option)
+        scheduler = getattr(connector, "connector_scheduler", None)
+        if scheduler is not None:
+            setattr(scheduler, REFILL_ATTR, refill)
+        if refill:
+            report_refill(
+                f"{switches.REFILL_SWITCH}=1"
+                if switches.refill_switch() is True
+                else f"{REFILL_OPTION} in the connector's options"
+            )
+        return result
+
+    return {"DecodeBenchConnector.__init__": check_options}
 
 
 def extra_config(vllm_config: Any) -> dict:
@@ -131,7 +139,3 @@ def _is_finite_number(value: Any) -> bool:
 
 def _vllm_config(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
     return vllm_config
-
-
-WRAPPERS = {"DecodeBenchConnector.__init__": check_options}
-"""The attributes this part wraps, by dotted path in the connector module."""

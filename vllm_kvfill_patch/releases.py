@@ -1,4 +1,5 @@
-"""What the patch does in each vLLM release range: the support policy.
+"""What the patch does in each vLLM release range: the support policy, and
+which series of ``patches/`` applies to each range.
 
 Plain data and the standard library only. At run time the connector's
 structure and probes of upstream's own methods decide (``gating``); the
@@ -124,3 +125,69 @@ def policy_for(version: str) -> ReleaseRange | None:
     if release is None:
         return None
     return next(r for r in SUPPORT_POLICY if r.covers(release))
+
+
+@dataclass(frozen=True)
+class SeriesRange:
+    """The releases one series of ``patches/`` applies to with ``git am``, at
+    their tag; or a range none applies to, and which series to take there."""
+
+    first: Release
+    end: Release
+    """First release after the range."""
+    series: str | None
+    """The release ``patches/v<series>/`` targets; None where none applies."""
+    instead: str = ""
+    """Where none applies: which series comes closest, and why."""
+
+    def covers(self, release: Release) -> bool:
+        return self.first <= release < self.end
+
+    @property
+    def name(self) -> str:
+        """The range as the README's Upstreaming section writes it: "0.11.1 –
+        0.23.x", "0.31 – 0.33.x", "0.34.x"."""
+        major, minor, patch = self.first
+        last = f"{self.end[0]}.{self.end[1] - 1}.x"
+        if (major, minor + 1) == self.end[:2] and not patch:
+            return last
+        return f"{major}.{minor}{f'.{patch}' if patch else ''} – {last}"
+
+
+PATCH_SERIES = (
+    SeriesRange((0, 11, 1), (0, 24, 0), "0.23.0"),
+    SeriesRange(
+        (0, 24, 0),
+        (0, 30, 0),
+        None,
+        "patches/v0.23.0/ comes closest: 0.24 - 0.29 have the defects it fixes, "
+        "the blocks after a prefix-cache hit among them, but their _fill_blocks "
+        "fills list states whole (#45080) where 0.23's crashed, and the series' "
+        "first and third commits edit that fill: a few of their hunks are to be "
+        "redone by hand",
+    ),
+    SeriesRange(
+        (0, 30, 0),
+        (0, 31, 0),
+        None,
+        "patches/v0.33.0/ comes closest: 0.30 has the defects it fixes, and not "
+        "the prefix-cache one patches/v0.23.0/ fixes, but 0.31 rewrote the worker "
+        "side its commits edit (per-layer fp8, startup fill): most of their hunks "
+        "are to be redone by hand",
+    ),
+    SeriesRange((0, 31, 0), (0, 34, 0), "0.33.0"),
+    SeriesRange((0, 34, 0), (0, 35, 0), "0.34.0"),
+)
+"""Which series of ``patches/`` applies to which releases: what ``python -m
+vllm_kvfill_patch --patch`` prints, and the ranges the README's Upstreaming
+section gives (``tests/test_policy.py`` checks that they agree). A series
+is for every release of its range: the ``upstream`` sessions run ``git am``
+at the tag of each that has a source distribution in ``tools/matrix.py``."""
+
+
+def series_range_for(version: str) -> SeriesRange | None:
+    """The ``PATCH_SERIES`` range of `version`; None outside them all."""
+    release = parse_release(version)
+    if release is None:
+        return None
+    return next((r for r in PATCH_SERIES if r.covers(release)), None)

@@ -1,0 +1,441 @@
+"""The installer: puts the patch's parts into vLLM's connector module, takes
+them out, and keeps this process's status.
+
+A post-import hook on the connector module decides from the module's
+structure whether the patch is needed (``gating``) and wraps the methods each
+part needs. What a part reports back (a connector's options asking for the
+refill) reaches the installer through what it hands the part when it
+installs it: no part imports the installer or the package.
+
+Promises, whatever other patches sit on the same methods: :func:`apply`,
+:func:`revert`, :func:`status`, the plugin entry and the import hook never
+raise. Where another library's plain (non-wrapt) wrapper sits above ours,
+ours cannot be taken out; it then passes every call straight to what it
+wraps, and the status says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from vllm_kvfill_patch import decision_log, switches
+from vllm_kvfill_patch._version import __version__
+from vllm_kvfill_patch.gating import (
+    CONNECTOR_MODULE,
+    FILL,
+    FILL_ONCE,
+    OPTIONS,
+    PREFIX_HIT,
+    REFILL,
+    Decision,
+    Verdict,
+    judge,
+)
+
+Wrapper = Callable[[Any, Any, tuple, dict], Any]
+
+_DISABLED_REASON = f"{switches.KILL_SWITCH} is set"
+
+NOT_APPLIED = "upstream's (this package is not applied)"
+DECODE_NODE = (
+    "a decode node's: each request filled once, a preempted request recomputed"
+)
+OFFLOAD_TIER = "a decode node with an offload tier: a preempted request filled again"
+UPSTREAM_REFILL = "upstream's: a preempted request filled again"
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """What the patch decided in this process, and why, as fields: the log
+    line and ``python -m vllm_kvfill_patch`` print them, so that none of it
+    is read back out of a sentence."""
+
+    vllm_version: str | None
+    decision: Decision
+    defects: str
+    """What the probes of upstream's own methods found wrong ("; " between
+    them) where the decision is ``applied``; otherwise why the patch is not
+    in force."""
+    parts: tuple[str, ...] = ()
+    """The parts of the patch active in this process: "fill" (worker side,
+    ``worker_step``), "fill-once", "prefix-hit" and the opt-in "refill"
+    (scheduler side: ``fill_once``, ``prefix_hit``, ``preemption``), and
+    "options" (the connector's options checked: ``options``)."""
+    semantics: str = NOT_APPLIED
+    """What the benchmark emulates after a preemption: a decode node's
+    recompute, or (the opt-in refill) a node with an offload tier; upstream's
+    own where the patch is not applied."""
+    semantics_why: str = ""
+    """What set the semantics (a switch, a connector's options, the refill
+    being opt-in); empty where the patch is not applied."""
+
+    @property
+    def reason(self) -> str:
+        """The defects, then the semantics in force and why: the log line's."""
+        if not self.semantics_why:
+            return self.defects
+        return f"{self.defects}; semantics: {self.semantics} ({self.semantics_why})"
+
+
+@dataclass
+class _Installer:
+    """This process's patch state; every field is read and written under `lock`."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    wanted: bool = False
+    """apply() was called (or the package imported) and revert() was not."""
+    hook_registered: bool = False
+    handles: dict[str, wrapt.FunctionWrapper] = field(default_factory=dict)
+    """Our wrappers in the connector module, by dotted path: the handles that
+    remove exactly them. A handle stays here while ours cannot be removed."""
+    applied: PatchStatus | None = None
+    """The status the gating's verdict gave, for when a kept wrapper is re-armed."""
+    refill_available: bool = False
+    """Upstream recomputes preempted requests here: the refill can be opted
+    into (by a connector's options, after the decision)."""
+    refill_source: str = ""
+    """What asked for the refill in a connector's options, once one did: it
+    stays in force through revert() and apply()."""
+    status: PatchStatus = PatchStatus(
+        None, Decision.PENDING, "the connector module is not imported yet"
+    )
+    logged: bool = False
+
+
+_installer = _Installer()
+
+
+def apply() -> PatchStatus:
+    """Patch the connector now if it is imported, else when it is imported.
+
+    Idempotent and thread-safe; never raises. With the kill switch set it
+    takes the patch out instead and reports ``disabled``.
+    """
+    with _installer.lock:
+        try:
+            if switches.kill_switch_on():
+                _installer.wanted = False
+                leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
+                _decide(Decision.DISABLED, _DISABLED_REASON + leftover)
+            else:
+                _installer.wanted = True
+                module = sys.modules.get(CONNECTOR_MODULE)
+                _forget_replaced_wrappers(module)
+                applied = _installer.applied
+                if _installer.handles and applied is not None:  # still in place:
+                    if module is not None:  # active again, with what revert()
+                        _install(module, applied.parts)  # took out
+                    _record(applied)
+                else:
+                    _register_hook()
+        except Exception as exc:  # noqa: BLE001 - apply() never raises
+            _decide(Decision.REFUSED, f"apply failed: {type(exc).__name__}: {exc}")
+        return _installer.status
+
+
+def revert() -> PatchStatus:
+    """Take the patch out, restoring upstream's own function objects.
+
+    Never raises. If another library's plain wrapper sits above ours, ours
+    stays in the chain but passes every call through; the reason says so.
+    """
+    with _installer.lock:
+        _installer.wanted = False
+        try:
+            leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
+        except Exception as exc:  # noqa: BLE001 - revert() never raises
+            leftover = f"; removing failed ({type(exc).__name__}: {exc})"
+        if _installer.status.decision in (Decision.APPLIED, Decision.PENDING):
+            _decide(Decision.REVERTED, "reverted by revert()" + leftover)
+        return _installer.status
+
+
+def status() -> PatchStatus:
+    """The decision made in this process (``pending`` until the connector loads)."""
+    with _installer.lock:
+        return _installer.status
+
+
+def load_vllm_plugin() -> None:
+    """The ``vllm.general_plugins`` entry point: apply, and decide right away.
+
+    vLLM calls it in its API, engine-core and worker processes, possibly more
+    than once in each; every call after the first changes nothing.
+    """
+    if apply().decision is not Decision.PENDING:
+        return
+    try:
+        if _connector_exists():
+            importlib.import_module(CONNECTOR_MODULE)
+        else:
+            _decide(Decision.INERT, "no DecodeBenchConnector in this vLLM (or no vLLM)")
+    except Exception as exc:  # noqa: BLE001 - a plugin must never break vLLM
+        _decide(
+            Decision.REFUSED,
+            f"could not import the connector: {type(exc).__name__}: {exc}",
+        )
+
+
+def refill_opted_in(source: str) -> None:
+    """A connector's options (or the fidelity tool) asked for the refill: put
+    it in, and say so in this process's status, with `source` as the why.
+    Handed to the options part when it is installed; never raises: it runs
+    while a connector is built."""
+    with _installer.lock:
+        try:
+            _installer.refill_source = source
+            applied = _installer.applied
+            if (
+                not _installer.refill_available
+                or applied is None
+                or REFILL in applied.parts
+                or switches.refill_switch() is False
+            ):
+                return
+            _installer.applied = _with_refill(applied, source)
+            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
+                _install(sys.modules[CONNECTOR_MODULE], _installer.applied.parts)
+                _record(_installer.applied)
+        except Exception as exc:  # noqa: BLE001 - never fail building a connector
+            _decide(
+                Decision.REFUSED,
+                f"installing the refill failed: {type(exc).__name__}: {exc}",
+            )
+
+
+def register_on_import() -> None:
+    """What importing the package does: register the hook now. With the kill
+    switch set, the status says so without a log line (no vLLM version to
+    name yet); apply() and the plugin log it."""
+    with _installer.lock:
+        if switches.kill_switch_on():
+            _installer.status = PatchStatus(None, Decision.DISABLED, _DISABLED_REASON)
+        else:
+            _installer.wanted = True
+            _register_hook()
+
+
+def _register_hook() -> None:
+    if _installer.hook_registered:
+        return
+    _installer.hook_registered = True
+    # Fires at once when the module is already imported (revert then apply).
+    wrapt.register_post_import_hook(_on_connector_import, CONNECTOR_MODULE)
+
+
+def _on_connector_import(module: ModuleType) -> None:
+    """The post-import hook. Must not raise: wrapt would fail the import."""
+    with _installer.lock:
+        _installer.hook_registered = False
+        if not _installer.wanted or _installer.handles:
+            return
+        if switches.kill_switch_on():  # set after this package was imported
+            _decide(Decision.DISABLED, _DISABLED_REASON)
+            return
+        try:
+            verdict = judge(module, _vllm_version())
+            if verdict.decision is not Decision.APPLIED:
+                _decide(verdict.decision, verdict.reason)
+                return
+            applied = _applied_status(verdict)
+            _install(module, applied.parts)
+            _installer.applied = applied
+            _installer.refill_available = verdict.refill_available
+            _record(applied)
+        except Exception as exc:  # noqa: BLE001 - never break vLLM's import
+            leftover = ""
+            try:
+                leftover = _uninstall(module)
+            except Exception:  # noqa: BLE001 - reported just below
+                leftover = "; a wrapper may be left in place, passing calls through"
+            _decide(
+                Decision.REFUSED,
+                f"installing failed: {type(exc).__name__}: {exc}{leftover}",
+            )
+
+
+def _applied_status(verdict: Verdict) -> PatchStatus:
+    """The status of an applied verdict: its parts, with the refill where the
+    switch (else a connector's options, once one asked) puts it in, and the
+    semantics in force, with what set them."""
+    applied = PatchStatus(
+        _vllm_version(), Decision.APPLIED, verdict.reason, verdict.parts
+    )
+    if not verdict.refill_available:
+        why = "upstream's connector fills a preempted request again itself"
+        return replace(applied, semantics=UPSTREAM_REFILL, semantics_why=why)
+    switch, source = switches.refill_switch(), _installer.refill_source
+    if switch is True or (switch is None and source):
+        return _with_refill(
+            applied, f"{switches.REFILL_SWITCH}=1" if switch else source
+        )
+    if switch is False:
+        why = f"{switches.REFILL_SWITCH}=0"
+    else:
+        why = "the refill is opt-in: refill_preempted in the connector's options"
+        if unknown := switches.refill_switch_unknown():
+            why += f"; {switches.REFILL_SWITCH}={unknown!r} is neither 1 nor 0, ignored"
+    return replace(applied, semantics=DECODE_NODE, semantics_why=why)
+
+
+def _with_refill(applied: PatchStatus, why: str) -> PatchStatus:
+    """`applied` with the refill in, and the semantics it sets, asked for by `why`."""
+    return replace(
+        applied,
+        parts=(*applied.parts, REFILL),
+        semantics=OFFLOAD_TIER,
+        semantics_why=why,
+    )
+
+
+def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
+    for part in parts:
+        for path, wrapper in _wrappers(part).items():
+            if path not in _installer.handles:
+                _installer.handles[path] = wrapt.wrap_function_wrapper(
+                    module, path, _while_ours(path, wrapper)
+                )
+
+
+def _wrappers(part: str) -> Mapping[str, Wrapper]:
+    """What `part` wraps, by dotted path in the connector module; the options
+    part is handed :func:`refill_opted_in` to report a refill to."""
+    # Imported here: they import vLLM's logger, and vLLM is loaded by now.
+    from vllm_kvfill_patch import (
+        fill_once,
+        options,
+        preemption,
+        prefix_hit,
+        worker_step,
+    )
+
+    if part == OPTIONS:
+        return options.wrappers(refill_opted_in)
+    by_part: dict[str, Mapping[str, Wrapper]] = {
+        FILL: worker_step.WRAPPERS,
+        FILL_ONCE: fill_once.WRAPPERS,
+        PREFIX_HIT: prefix_hit.WRAPPERS,
+        REFILL: preemption.WRAPPERS,
+    }
+    return by_part[part]
+
+
+def _while_ours(path: str, wrapper: Wrapper) -> Wrapper:
+    """`wrapper` while the patch is wanted and this wrapper is the one kept
+    for `path`; upstream's method otherwise.
+
+    What makes revert() hold where our wrapper cannot be taken out, and keeps
+    one we lost track of (a closure above it without ``__wrapped__``) passing
+    calls through, whatever a later apply() decides.
+    """
+
+    def gate(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        handle = _installer.handles.get(path)
+        if _installer.wanted and handle is not None and handle._self_wrapper is gate:
+            return wrapper(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return gate
+
+
+def _uninstall(module: ModuleType | None) -> str:
+    """Remove our wrappers; '' when all went, else why some stayed (inactive)."""
+    stuck = []
+    for path, handle in list(_installer.handles.items()):
+        try:
+            wrapt.unwrap_object(module, path, handle, missing_ok=True)
+        except wrapt.WrapperNotOutermostError:
+            pass
+        if _in_place(module, path, handle):
+            stuck.append(path)
+        else:
+            del _installer.handles[path]
+    if not stuck:
+        return ""
+    return (
+        "; another library's plain wrapper sits above ours on "
+        + ", ".join(stuck)
+        + ": ours stays in place and passes every call through"
+    )
+
+
+def _forget_replaced_wrappers(module: ModuleType | None) -> None:
+    """Drop handles of our wrappers that someone replaced outright."""
+    for path, handle in list(_installer.handles.items()):
+        if not _in_place(module, path, handle):
+            del _installer.handles[path]
+
+
+def _in_place(module: ModuleType | None, path: str, handle: Any) -> bool:
+    """Whether calls to `path` still go through our wrapper `handle`.
+
+    A plain closure above ours may hold it bound (it was read through the
+    class), so the bound form counts too.
+    """
+    owner_name, _, attribute = path.rpartition(".")
+    owner = getattr(module, owner_name, None)
+    current = owner.__dict__.get(attribute) if owner is not None else None
+    if current is None:
+        return False
+    return wrapt.is_wrapped_by(
+        current,
+        predicate=lambda entry: (
+            entry is handle or getattr(entry, "_self_parent", None) is handle
+        ),
+    )
+
+
+def _decide(decision: Decision, why: str) -> None:
+    """Record a decision other than ``applied``: why it holds, no parts."""
+    _record(PatchStatus(_vllm_version(), decision, why))
+
+
+def _record(new_status: PatchStatus) -> None:
+    """Make `new_status` this process's; log it when it is news here."""
+    if _installer.logged and new_status == _installer.status:
+        return
+    _installer.status, _installer.logged = new_status, True
+    level = logging.WARNING if new_status.decision is Decision.REFUSED else logging.INFO
+    parts = new_status.parts
+    # Which process decided: a topology's processes (DP ranks, pipeline
+    # stages, nodes) each decide, and not every launcher prefixes its lines.
+    decision_log.log(
+        level,
+        "vllm-kvfill-patch %s for vLLM %s (hot-fix %s): %s%s [process %s, pid %d, "
+        "host %s]",
+        new_status.decision.value,
+        new_status.vllm_version,
+        __version__,
+        new_status.reason,
+        f" [parts: {', '.join(parts)}]" if parts else "",
+        multiprocessing.current_process().name,
+        os.getpid(),
+        socket.gethostname(),
+    )
+
+
+def _connector_exists() -> bool:
+    try:
+        return importlib.util.find_spec(CONNECTOR_MODULE) is not None
+    except ModuleNotFoundError as exc:
+        if exc.name and (CONNECTOR_MODULE + ".").startswith(exc.name + "."):
+            return False  # vllm itself, or a parent package, is absent
+        raise
+
+
+def _vllm_version() -> str | None:
+    vllm = sys.modules.get("vllm")
+    return getattr(vllm, "__version__", None) if vllm is not None else None
