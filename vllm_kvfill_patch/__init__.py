@@ -32,9 +32,6 @@ from vllm_kvfill_patch.installer import (
     status,
 )
 
-# Not public: the fidelity tool's switch puts the refill in with it.
-from vllm_kvfill_patch.installer import refill_opted_in as refill_opted_in
-
 __all__ = [
     "Decision",
     "PatchStatus",

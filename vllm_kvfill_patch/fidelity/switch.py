@@ -47,6 +47,7 @@ def to(setting: Setting) -> None:
     """Put `setting` in force in this process."""
     global _writes
     import vllm_kvfill_patch
+    from vllm_kvfill_patch import installer
     from vllm_kvfill_patch.options import REFILL_ATTR
 
     with _lock:
@@ -58,7 +59,7 @@ def to(setting: Setting) -> None:
         for scheduler in _schedulers():
             setattr(scheduler, REFILL_ATTR, setting.refill)
         if setting.refill and setting.package and _schedulers():
-            vllm_kvfill_patch.refill_opted_in(REFILL_SOURCE)
+            installer.refill_opted_in(REFILL_SOURCE)
 
 
 def in_force() -> InForce:
