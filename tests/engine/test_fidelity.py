@@ -23,7 +23,7 @@ import pytest
 from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
-from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, PACKAGE, REFILL_PAIR
+from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, NODE, PACKAGE, REFILL_PAIR
 from vllm_kvfill_patch.fidelity.serve import Server
 from vllm_kvfill_patch.fidelity.wire import DIR_ENV
 
@@ -36,7 +36,11 @@ PREEMPTING_BLOCKS = 24
 takes two 256-token attention blocks and a state block per linear-attention
 group at admission, a third attention block at its first decode token): four
 at a time preempt."""
-MODES = [mode.name for mode in (*DEFAULT_MODES, *REFILL_PAIR)]
+EMULATED = [mode.name for mode in DEFAULT_MODES if mode is not NODE]
+"""Every default mode but the real decode node, which runs in its own
+session (tests/engine/test_node.py: a KV cache this small would not hold a
+leg's prompts prefilled ahead)."""
+MODES = [*EMULATED, *(mode.name for mode in REFILL_PAIR)]
 SWITCHED = MODES[1:]
 """The connector modes, switched on one server (all but real prefill)."""
 REFILLED = [mode.name for mode in REFILL_PAIR]
@@ -51,6 +55,7 @@ def run(tmp_path_factory) -> dict:
         "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
         "--output-len", str(OUTPUT), "--rounds", "1", "--legs", str(LEGS),
         "--count-subnormals", "--value-cycles", str(VALUE_CYCLES), "--refill",
+        "--modes", *EMULATED,
         "--preemption-blocks", "0",
         "--serve-args", f"--num-gpu-blocks-override {PREEMPTING_BLOCKS}",
         "--output-dir", str(output),
@@ -170,8 +175,16 @@ def test_vllm_preempted_and_every_mode_recomputed_as_a_decode_node_does(run):
 
 def test_the_verdict_comes_first_then_the_table_and_the_files(run):
     stdout = run["stdout"]
-    verdict = stdout.index("Verdict against the ideal (TPOT p50 ±2%, ITL p99 ±5%")
-    assert verdict < stdout.index("| mode | C |")
+    attributed = stdout.index("Verdict by attribution: the fill's own time taken")
+    verdict = stdout.index("The legs against the ideal (TPOT p50 ±2%, ITL p99 ±5%")
+    assert attributed < verdict < stdout.index("| mode | C |")
+    # Every decode step of each leg was recorded with its fill: the verdict
+    # is decided by what the fill adds, the legs (one round) say nothing.
+    package, upstream = stdout[attributed:verdict].splitlines()[2:4]
+    decided = r"(within the bar of|outside the bar of|undecided against) ideal"
+    assert re.match(rf"    package {decided}: its fill adds TPOT p50 ", package)
+    assert re.match(rf"    upstream {decided}: its fill adds TPOT p50 ", upstream)
+    assert "a step; the legs measured TPOT p50" in package
     # One round of two legs: no interval, so nothing is decided.
     line = stdout[verdict:].splitlines()[1]
     assert line.startswith(f"  main C={CONCURRENCY}: package undecided on this ")

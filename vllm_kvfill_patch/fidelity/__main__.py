@@ -3,7 +3,8 @@
     python -m vllm_kvfill_patch.fidelity                 # the embedded model, CPU
     python -m vllm_kvfill_patch.fidelity --model M --serve-args "-tp 4"
 
-Real prefill on a server of its own; then one connector server whose
+Real prefill on a server of its own; a real decode node (a NIXL pair,
+`node`); then one connector server whose
 processes switch between upstream's fill, this package's and the ideal's
 (`switch`), each leg of `vllm bench serve` in turn (`plan`, `measure`); a
 preemption case on a server with a small KV cache. Prints the verdict per
@@ -34,9 +35,15 @@ from vllm_kvfill_patch.fidelity.cores import Placement
 from vllm_kvfill_patch.fidelity.measure import IDLE_SPIN_SECONDS, Measurer
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import PACKAGE, serve_arguments
+from vllm_kvfill_patch.fidelity.node import (
+    LAYOUT_ENV,
+    NODE_ENV,
+    DecodeNode,
+    transfer_config,
+)
 from vllm_kvfill_patch.fidelity.plan import Case, Plan
 from vllm_kvfill_patch.fidelity.report import Cell, Key, rows
-from vllm_kvfill_patch.fidelity.serve import Server, first_error
+from vllm_kvfill_patch.fidelity.serve import Server, first_error, free_port
 from vllm_kvfill_patch.fidelity.stats import Standing
 from vllm_kvfill_patch.fidelity.summary import report
 from vllm_kvfill_patch.fidelity.wire import DECODE_TOKENS_ENV, SUBNORMALS_ENV
@@ -71,6 +78,8 @@ class Run:
             model = args.model
             self.serve_arguments = [model]
         self.serve_arguments += shlex.split(args.serve_args)
+        if self.plan.node is not None:  # NIXL's layout, in every mode alike
+            self.env.update(LAYOUT_ENV)
         self.workload = Workload(
             model,
             args.tokenizer or model,
@@ -96,9 +105,32 @@ class Run:
             DECODE_TOKENS_ENV: str(max(case.concurrencies)),
             SUBNORMALS_ENV: "1" if self.args.count_subnormals else "0",
         }
+        if case is self.plan.node:
+            return self.node(name, case, env)
         extra = serve_arguments(json.loads(self.args.fill_config)) if connector else []
         arguments = [*self.serve_arguments, *case.serve_args, *extra]
         return Server(name, arguments, env, self.output / "servers" / name)
+
+    def node(self, name: str, case: Case, env: dict[str, str]) -> DecodeNode:
+        """The decode server of a NIXL pair, its prefill server beside it."""
+        servers = {}
+        for role, server_name in (
+            ("kv_producer", f"{name}-prefill"),
+            ("kv_consumer", name),
+        ):
+            node_env = {
+                **env,
+                **NODE_ENV,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            }
+            arguments = [
+                *self.serve_arguments,
+                *case.serve_args,
+                *transfer_config(role, f"{self.output.name}-{server_name}"),
+            ]
+            servers[role] = (arguments, node_env, self.output / "servers" / server_name)
+        prefill = Server(f"{name}-prefill", *servers["kv_producer"], fronted=False)
+        return DecodeNode(name, *servers["kv_consumer"], prefill=prefill)
 
     def measure(self, name: str, case: Case, rounds: int, settle: float = 0) -> None:
         """`rounds` rounds of `case` on a server of its own, then settling."""
@@ -131,7 +163,7 @@ class Run:
         if error is None:
             try:
                 figures = bench(
-                    server.base_url,
+                    server.client_url,
                     dataclasses.replace(self.workload, output_len=4, extra=[]),
                     1,
                     2,
@@ -145,7 +177,8 @@ class Run:
             self.measurer.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
         if error is None and (where := self.place(server)):
             self.say(
-                f"{server.name}: serving on port {server.port}; {where.describe()}"
+                f"{server.name}: serving on port {server.port}; "
+                f"{server.cores_said(where)}"
             )
         return error
 
@@ -212,6 +245,8 @@ class Run:
         plan = self.plan
         if plan.prefill is not None and plan.prefill_rounds:
             self.measure("prefill", plan.prefill, plan.prefill_rounds)
+        if plan.node is not None:
+            self.measure("decode-node", plan.node, plan.rounds)
         self.measure("connector", plan.main, plan.rounds, plan.settle_minutes)
         if plan.preemption is not None:
             self.measure("preemption", plan.preemption, plan.rounds)
@@ -221,6 +256,7 @@ class Run:
             f"{self.args.input_len}, output {self.args.output_len}"
         )
         report(self.output, self.measurer.cells, self.servers, title, values)
+        self.say("done")
         return 0
 
 

@@ -15,9 +15,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls")
-"""The request lists of vLLM's result a cell keeps (`combined` and the
-comparison with the ideal read them); the rest stay in vLLM's file."""
+SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls", "steps")
+"""The lists of a leg a cell keeps: vLLM's per-request lists (`combined` and
+the comparison with the ideal read them) and the worker's steps over the leg
+(`attribution`); the rest stay in vLLM's file."""
 
 
 @dataclass(frozen=True)

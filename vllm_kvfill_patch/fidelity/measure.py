@@ -142,29 +142,32 @@ class Measurer:
         )
 
     def bench(self, server: Server, leg: Leg, result: Path) -> tuple[dict, dict]:
-        """A leg's vLLM result, and the probe's counters over it."""
+        """A leg's vLLM result, and the probe's counters over it: what the
+        server needs first (`Server.prepare`), then the leg, checked."""
+
+        def run(url: str, saved: Path) -> dict:
+            return bench(
+                url, self.workload, leg.concurrency, leg.prompts, leg.seed, saved
+            )
+
         placement = self.place(server)
+        time.sleep(max(0.0, self.quiet_at - time.monotonic()))
+        if server.prepare(run, result):  # its server then spins a while
+            self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
         before = server.counters()
         time.sleep(max(0.0, self.quiet_at - time.monotonic()))
-        front = getattr(placement, "front_cores", None)
         try:
-            with measuring(front):
-                figures = bench(
-                    server.base_url,
-                    self.workload,
-                    leg.concurrency,
-                    leg.prompts,
-                    leg.seed,
-                    result,
-                )
+            with measuring(getattr(placement, "front_cores", None)):
+                figures = run(server.client_url, result)
         finally:
             self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
+        server.check(leg.prompts)
         after = server.counters()
         counts = {
             key: counted(after[key], before[key], -1)
             for key in (*COUNTS, "preemptions")
         }
-        return figures, counts
+        return figures, counts | {"steps": after["steps"]}
 
     def record(self, cell: Cell, label: str, round_: int, legs: list[dict]) -> None:
         """A round's figures of a cell, over its legs; said as a progress line."""

@@ -1,5 +1,5 @@
-"""The ways the tool serves a model: real prefill, and the connector modes
-one server switches between (`switch`).
+"""The ways the tool serves a model: real prefill, a real decode node, and
+the connector modes one server switches between (`switch`).
 
 Every connector mode keeps a decode node's semantics (a preempted request is
 recomputed), so that they differ in the fill alone; the refill after
@@ -38,12 +38,19 @@ class Mode:
     name: str
     description: str
     setting: Setting | None
-    """None: real prefill, a server of its own without a connector."""
+    """None: a server (or pair) of its own without this connector: real
+    prefill, or the real decode node."""
     reference: str | None
     """The mode it is held to; None for a reference itself."""
 
 
 PREFILL = Mode("prefill", "real prefill, no connector", None, "ideal")
+NODE = Mode(
+    "decode-node",
+    "a real decode node: each prompt's KV read from a prefill server over NIXL",
+    None,
+    "ideal",
+)
 UPSTREAM = Mode(
     "upstream", "the connector as released", Setting(False, True, False), "ideal"
 )
@@ -68,9 +75,11 @@ IDEAL_REFILL = Mode(
     Setting(True, False, True),
     None,
 )
-MODES = {m.name: m for m in (PREFILL, UPSTREAM, PACKAGE, IDEAL, REFILL, IDEAL_REFILL)}
+MODES = {
+    m.name: m for m in (PREFILL, NODE, UPSTREAM, PACKAGE, IDEAL, REFILL, IDEAL_REFILL)
+}
 """Every mode, in the table's order."""
-DEFAULT_MODES = (PREFILL, UPSTREAM, PACKAGE, IDEAL)
+DEFAULT_MODES = (PREFILL, NODE, UPSTREAM, PACKAGE, IDEAL)
 REFILL_PAIR = (REFILL, IDEAL_REFILL)
 
 

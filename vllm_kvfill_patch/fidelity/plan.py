@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from vllm_kvfill_patch.fidelity.modes import (
     MODES,
+    NODE,
     PREFILL,
     REFILL_PAIR,
     Mode,
@@ -69,6 +70,9 @@ class Plan:
     """Every case of a run, and how many rounds each takes."""
 
     prefill: Case | None
+    node: Case | None
+    """The real decode node: a NIXL pair of its own, measured as the
+    connector modes are."""
     main: Case
     preemption: Case | None
     rounds: int
@@ -87,13 +91,15 @@ class Plan:
             "main", switched, tuple(sorted(args.concurrency)), (),
             main_waves(args, profile), args.legs,
         )  # fmt: skip
-        prefill = None
-        if PREFILL in modes:
-            prefill = Case(
-                "main", (PREFILL,), main.concurrencies, (), main.waves, main.legs
-            )
+        prefill, node = (
+            Case("main", (mode,), main.concurrencies, (), main.waves, main.legs)
+            if mode in modes
+            else None
+            for mode in (PREFILL, NODE)
+        )
         return cls(
             prefill=prefill,
+            node=node,
             main=main,
             preemption=preemption_case(args, switched),
             rounds=int(pick(args.rounds, profile.rounds)),

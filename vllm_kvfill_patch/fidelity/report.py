@@ -17,9 +17,17 @@ import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from vllm_kvfill_patch.fidelity.attribution import (
+    Effect,
+    fill_effect,
+    fill_share,
+    standing_of,
+    step_p50_ms,
+    steps_of,
+)
 from vllm_kvfill_patch.fidelity.client import PERCENTILE_KEY, combined, request_seconds
 from vllm_kvfill_patch.fidelity.modes import MODES, PACKAGE, REFILL, UPSTREAM, Mode
-from vllm_kvfill_patch.fidelity.stats import BAR, Ratio, Standing, pooled_ratio
+from vllm_kvfill_patch.fidelity.stats import BAR, Bar, Ratio, Standing, pooled_ratio
 from vllm_kvfill_patch.fidelity.wire import FILL_BUCKETS, counted, fill_bucket_bound
 
 
@@ -126,6 +134,15 @@ class Row:
     def fill_p99_ms(self) -> float | None:
         return fill_p99_ms(self.cell)
 
+    @cached_property
+    def effects(self) -> dict[Bar, Effect | None]:
+        """What the fill adds to each figure of the bar, inside the legs
+        (`attribution`); empty for a mode without this connector's fill."""
+        if self.mode.setting is None:
+            return {}
+        steps = steps_of(self.cell.legs)
+        return {bar: fill_effect(steps, bar.key, self.figures[bar.key]) for bar in BAR}
+
     @property
     def fill_mean_ms(self) -> float | None:
         calls = self.cell.total("fill_calls")
@@ -160,6 +177,7 @@ class Row:
             "read_in_bursts": self.cell.total("read_in_bursts"),
             "expert_max_over_mean": expert_imbalance(self.cell),
             "subnormal_outputs": self.cell.total("subnormal_outputs"),
+            "worker_step_p50_ms": step_p50_ms(steps_of(self.cell.legs)),
             "rounds": len(self.cell.runs), "legs": len(self.cell.legs),
         }  # fmt: skip
         for bar in BAR:
@@ -168,6 +186,11 @@ class Row:
             record[f"{bar.key}_vs_reference_low"] = ratio and ratio.low
             record[f"{bar.key}_vs_reference_high"] = ratio and ratio.high
         record["standing"] = (standing := self.standing()) and standing.value
+        for bar in BAR:
+            effect = self.effects.get(bar)
+            record[f"{bar.key}_fill_effect"] = effect and effect.estimate
+            record[f"{bar.key}_fill_effect_low"] = effect and effect.low
+            record[f"{bar.key}_fill_effect_high"] = effect and effect.high
         return record
 
 
@@ -214,7 +237,7 @@ prefill, one round, is in the table)."""
 def verdict_lines(found: list[Row]) -> list[str]:
     """Per case and concurrency, each connector mode's standing in words."""
     bars = ", ".join(f"{bar.name} ±{bar.tolerance:.0%}" for bar in BAR)
-    lines = [f"Verdict against the ideal ({bars}; 95% intervals):"]
+    lines = [f"The legs against the ideal ({bars}; 95% intervals):"]
     compared = [row for row in found if row.ratios and row.mode in VERDICT_ORDER]
     for (case, concurrency), group in itertools.groupby(
         compared, key=lambda row: (row.key.case, row.key.concurrency)
@@ -223,6 +246,59 @@ def verdict_lines(found: list[Row]) -> list[str]:
         said = "; ".join(mode_verdict(row) for row in ordered)
         lines.append(f"  {case} C={concurrency}: {said}")
     return lines
+
+
+def attribution_lines(found: list[Row]) -> list[str]:
+    """Per case and concurrency, each connector mode's standing decided by
+    what its fill adds inside the legs, and whether the legs agree."""
+    bars = ", ".join(f"{bar.name} ±{bar.tolerance:.0%}" for bar in BAR)
+    lines = [
+        f"Verdict by attribution: the fill's own time taken out of every decode "
+        f"step of the legs ({bars}; 95% intervals), the legs as the cross-check:"
+    ]
+    compared = [row for row in found if row.ratios and row.mode in VERDICT_ORDER]
+    for (case, concurrency), group in itertools.groupby(
+        compared, key=lambda row: (row.key.case, row.key.concurrency)
+    ):
+        ordered = sorted(group, key=lambda row: VERDICT_ORDER.index(row.mode))
+        lines.append(f"  {case} C={concurrency}:")
+        lines += [f"    {attributed_verdict(row)}" for row in ordered]
+    return lines
+
+
+def attributed_verdict(row: Row) -> str:
+    effects = row.effects
+    if not effects or None in effects.values():
+        return f"{row.key.mode}: no steps recorded; by the legs, {mode_verdict(row)}"
+    reference = row.mode.reference
+    word = {
+        Standing.WITHIN: f"within the bar of {reference}",
+        Standing.OUTSIDE: f"outside the bar of {reference}",
+        Standing.UNDECIDED: f"undecided against {reference}",
+    }[standing_of(effects)]
+    added = ", ".join(f"{bar.name} {e.text()}" for bar, e in effects.items() if e)
+    shares = fill_share(steps_of(row.cell.legs))
+    per_step = (
+        f"; fill p50 {shares[0]:.3f} ms, p99 {shares[1]:.3f} ms a step"
+        if shares
+        else ""
+    )
+    legs = ", ".join(
+        f"{bar.name} {r.text() if (r := row.ratios[bar.key]) else 'not compared'}"
+        for bar in BAR
+    )
+    agree = [e.consistent(row.ratios[bar.key]) for bar, e in effects.items() if e]
+    cross = (
+        "no interval to hold it to (too few legs)"
+        if None in agree
+        else "consistent"
+        if all(agree)
+        else "not consistent"
+    )
+    return (
+        f"{row.key.mode} {word}: its fill adds {added}"
+        f"{per_step}; the legs measured {legs}: {cross}"
+    )
 
 
 def mode_verdict(row: Row) -> str:

@@ -5,6 +5,7 @@ probe's control channel (`wire`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,10 +15,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.cores import Placement
+from vllm_kvfill_patch.fidelity.transfers import Transfers
 from vllm_kvfill_patch.fidelity.wire import (
     ANSWERS,
     COUNTS,
@@ -58,11 +61,62 @@ def free_port() -> int:
             return port
 
 
+NOT_UP = "not up after"
+"""How `Server.wait_until_healthy` says its time ran out."""
 PORT_TAKEN = "Address already in use"
 PORT_ATTEMPTS = 3
 """A server whose port another process took before vLLM bound it (its
 engine and worker processes, or another program, take ports of their own
 meanwhile) is started again on another port, up to this many times."""
+
+
+@dataclass
+class Proxy:
+    """The tool's proxy process (`proxy`), in front of one server or a pair."""
+
+    decode_url: str
+    prefill_url: str | None
+    log: Path
+    port: int = 0
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, cores: frozenset[int] | None) -> None:
+        """Started on `cores` (the client's, where given)."""
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "vllm_kvfill_patch.fidelity.proxy",
+            "--port", str(self.port), "--decode", self.decode_url,
+        ]  # fmt: skip
+        if self.prefill_url:
+            command += ["--prefill", self.prefill_url]
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        if cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self.process.pid, cores)
+
+    def ask(self, path: str, body: dict | None = None) -> dict:
+        """The proxy's answer at `path` (a POST of `body` where given)."""
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)
+            if self.process.poll() is None:
+                self.process.kill()
 
 
 @dataclass
@@ -80,6 +134,10 @@ class Server:
     """Questions asked of its probes (`counters`, `switch`)."""
     switches: int = 0
     """Switches of its connector mode, each checked in every process."""
+    fronted: bool = True
+    """Whether the tool's proxy stands in front of it: vLLM's client reaches
+    every mode through one, so that its hop is in every leg."""
+    proxy: Proxy | None = None
 
     @property
     def log(self) -> Path:
@@ -92,6 +150,39 @@ class Server:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def client_url(self) -> str:
+        """Where vLLM's client sends its requests: the proxy, where one
+        stands in front."""
+        return self.proxy.url if self.proxy is not None else self.base_url
+
+    def new_proxy(self) -> Proxy:
+        return Proxy(self.base_url, None, self.directory / "proxy.log")
+
+    def prepare(self, bench: Callable[[str, Path], dict], result: Path) -> bool:
+        """What a leg needs before vLLM's client measures it, run with
+        `bench`; whether anything ran: nothing here (`node.DecodeNode`
+        prefills the leg's prompts)."""
+        return False
+
+    def started(self) -> list[str]:
+        """The `vllm serve` processes it started, by name."""
+        return [self.name]
+
+    def transfers(self) -> Transfers | None:
+        """What it received through NIXL: None here (a server that takes no
+        KV from another)."""
+        return None
+
+    def cores_said(self, placement: Placement) -> str:
+        """Where its processes run, in words."""
+        return placement.describe()
+
+    def check(self, requests: int) -> None:
+        """Raises where a leg of `requests` requests was not served as the
+        mode says: nothing to check here (`node.DecodeNode` checks its KV
+        arrived through NIXL)."""
 
     def start(self) -> None:
         self.probe_dir.mkdir(parents=True, exist_ok=True)
@@ -119,9 +210,15 @@ class Server:
                 env=env,
                 start_new_session=True,
             )
+        if self.proxy is not None:  # started again on another port
+            self.proxy.stop()
+        if self.fronted:
+            self.proxy = self.new_proxy()
+            self.proxy.start(None)
 
     def wait_until_healthy(self, timeout: float) -> str | None:
-        """None once /health answers; else why not (the log's first error)."""
+        """None once /health answers through the proxy; else why not (the
+        log's first error)."""
         assert self.process is not None
         deadline = time.monotonic() + timeout
         attempts = 1
@@ -135,11 +232,11 @@ class Server:
                     continue
                 return first_error(log)
             try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5):
+                with urllib.request.urlopen(f"{self.client_url}/health", timeout=5):
                     return None
             except OSError:
                 time.sleep(1)
-        return f"not up after {timeout:.0f} s"
+        return f"{NOT_UP} {timeout:.0f} s"
 
     def place(self) -> Placement | None:
         """Keeps its processes but its workers off the workers' cores
@@ -149,12 +246,19 @@ class Server:
             self.placement = Placement.find(self.process.pid)
         if self.placement is not None:
             self.placement.apply(self.process.pid)
+            if self.proxy is not None and self.proxy.process is not None:
+                with contextlib.suppress(OSError):  # ended: the leg says why
+                    os.sched_setaffinity(
+                        self.proxy.process.pid, self.placement.front_cores
+                    )
         return self.placement
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
     def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
         if self.process is None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -170,15 +274,19 @@ class Server:
 
     def counters(self) -> dict:
         """The sum of every process's probe counters and the engine's
-        preemptions (Prometheus), now."""
+        preemptions (Prometheus), now; and the forward passes its workers
+        took since the last question (`steps`)."""
         self.questions += 1
-        ask(self.probe_dir, self.questions)
+        answered = ask(self.probe_dir, self.questions)
         total: dict = dict.fromkeys(COUNTS, 0)
         total["fill_histogram"] = [0] * FILL_BUCKETS
         for path in self.probe_dir.glob(f"*{ANSWERS}"):
             counts = json.loads(path.read_text())
             for key in COUNTS:
                 total[key] = counted(total[key], counts[key])
+        total["steps"] = [
+            step for path in answered for step in json.loads(path.read_text())["steps"]
+        ]
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
 

@@ -1,5 +1,6 @@
-"""What a run prints and leaves in its folder: the verdict first, the table
-per case, the preemption finding, the values' table; the full table as
+"""What a run prints and leaves in its folder: the verdict by attribution
+first, then the legs' own, the table per case, every mode against the real
+decode node, the preemption finding, the values' table; the full table as
 Markdown, CSV and JSON, the picture, and each server's processes."""
 
 from __future__ import annotations
@@ -8,10 +9,13 @@ import collections
 import json
 from pathlib import Path
 
+from vllm_kvfill_patch.fidelity.node_report import node_table, ttft_lines
 from vllm_kvfill_patch.fidelity.picture import draw
 from vllm_kvfill_patch.fidelity.report import (
     Cell,
     Key,
+    Row,
+    attribution_lines,
     comma_separated,
     full_records,
     markdown,
@@ -36,10 +40,12 @@ def report(
     values: str,
 ) -> None:
     found, failed = rows(cells)
+    print("\n".join(attribution_lines(found)))
     print("\n".join(verdict_lines(found)))
     for case in dict.fromkeys(key.case for key in cells):
         print(f"\n{CASE_TITLES.get(case, case)}:")
         print(terminal_table(found, failed, case))
+    node_said(found, servers)
     if finding := preemption_finding(found):
         print("\n" + "\n".join(finding))
     if values:
@@ -57,10 +63,27 @@ def report(
             f"{server.name}: this package's decision lines: {said or 'none'}"
             + (switched if server.switches else "")
         )
-    print(f"servers started: {len(servers)} ({', '.join(s.name for s in servers)})")
+    started = [name for server in servers for name in server.started()]
+    print(f"servers started: {len(started)} ({', '.join(started)})")
     (output / "summary.json").write_text(json.dumps(summary(cells, servers), indent=1))
     print(f"the full table (table.md, .csv, .json), vLLM's result files and the "
           f"servers' logs: {output}")  # fmt: skip
+
+
+def node_said(found: list[Row], servers: list[Server]) -> None:
+    """Every mode beside the real decode node, what the node received, and
+    the TTFT gap in words."""
+    table = node_table(found)
+    if not table:
+        return
+    print("\nAgainst the real decode node (95% intervals, legs paired by prompts):")
+    print(table)
+    p50 = None
+    for server in servers:
+        if (received := server.transfers()) is not None:
+            print(f"{server.name}: {received.said()}")
+            p50 = received.quantile(0.5)
+    print("\n".join(ttft_lines(found, p50 and p50 * 1000)))
 
 
 def summary(cells: dict[Key, Cell], servers: list[Server]) -> dict:

