@@ -61,7 +61,9 @@ def measure_in_turn(
     timed one after the other it could fall on one of them only. In a round
     each call runs for about `ROUND_SECONDS` (once, if one run takes longer),
     so that a call of microseconds does not make one of milliseconds run
-    thousands of times."""
+    thousands of times; worked out again from its median after each round, so
+    that a slow warm-up does not leave a fast call running once a round (each
+    run then pays what a round's other calls left cold: a sleeping thread)."""
     results: dict[str, Measured] = {}
     runs_per_round: dict[str, int] = {}
     for name, call in calls.items():
@@ -79,7 +81,7 @@ def measure_in_turn(
         len(taken) < timing.repeats or sum(taken) < timing.min_seconds
         for taken in times.values()
     ):
-        for name, runs in runs_per_round.items():
+        for name, runs in list(runs_per_round.items()):
             for _ in range(runs):
                 synchronize(device)
                 start = time.perf_counter()
@@ -87,6 +89,8 @@ def measure_in_turn(
                 if wait:
                     synchronize(device)
                 times[name].append(time.perf_counter() - start)
+            this_round = statistics.median(times[name][-runs:])
+            runs_per_round[name] = max(1, int(ROUND_SECONDS / max(this_round, 1e-9)))
     synchronize(device)
     for name, taken in times.items():
         results[name] = Measured(statistics.median(taken))
