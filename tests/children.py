@@ -388,17 +388,17 @@ def patched_file_report(path: str) -> dict:
 def bench_tables(arguments: list[str]) -> dict:
     """``python -m tools.bench`` with `arguments` (its tables are the
     child's stdout); the row names it measured, for the test to match."""
-    from tools import bench
+    from tools import bench, step_rig
 
     bench.main(arguments)
     state_bytes = sum(math.prod(shape) * 4 for shape in bench.STEP_STATES)
     per_layer_slot = (
-        bench.STEP_ATTENTION_BLOCKS * bench.STEP_PAGE_BYTES
-        + bench.STEP_LINEAR_GROUPS * bench.STEP_STATE_BLOCKS * state_bytes
+        step_rig.ATTENTION_BLOCKS * bench.STEP_PAGE_BYTES
+        + step_rig.LINEAR_GROUPS * step_rig.STATE_BLOCKS * state_bytes
     )
     return {
         "cases": [case.name for case in bench.cases()],
-        "written_bytes_per_request": bench.STEP_ATTENTION_LAYERS * per_layer_slot,
+        "written_bytes_per_request": step_rig.LAYERS_PER_GROUP * per_layer_slot,
     }
 
 

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     gpu_check = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = gpu_check  # its dataclasses look it up
     spec.loader.exec_module(gpu_check)
-    fill = gpu_check.fill
+    fill = gpu_check.fill()
     original = fill.sort_block_ids
 
     def one_row_too_many(block_ids, num_blocks):  # type: ignore[no-untyped-def]

@@ -420,6 +420,38 @@ def test_a_groups_pages_as_one_view_fill_the_same_bytes_as_layer_by_layer(
     assert torch.equal(by_group, by_layer) and not torch.equal(by_group, before)
 
 
+@pytest.mark.parametrize(
+    "layout,ratio",
+    [("layer-outer", 1), ("layer-outer", 2), ("heads-inner", 1), ("block-outer", 1)],
+)
+def test_a_groups_pages_take_the_random_bytes_that_layer_by_layer_writes(
+    layout, ratio, monkeypatch
+):
+    """At once, the k-th block's page in every layer gets the bank's page k
+    mod its length (here 4 pages, so the bank repeats): where a bank's page
+    is whole kernel rows, the bytes filling layer by layer from the same
+    bank writes, and nothing else."""
+    monkeypatch.setattr(fill, "NOISE_ROWS", 2)
+    monkeypatch.setattr(fill, "NOISE_BYTES", 4 * 512)  # 4 pages of 512 bytes
+    block_ids = [2, 3, 7, 9, 11, *range(13, 24, 2)]
+    value, noise = FillValue(0.5, 0.25), fill.NoiseBank()
+    by_group, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    by_layer, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    by_layer.copy_(by_group)
+    before = by_group.clone()
+
+    pages = fill.group_pages(views, 24, [ratio] * 3)
+    assert pages is not None
+    pages_fill = fill.PagesFill.of(pages, value, noise)
+    assert pages_fill.samples is not None and pages_fill.samples.rows.shape[0] == 4
+    assert pages_fill.write_([*block_ids, 0, 30]) == [30]
+    for view in layer_views:
+        blocks = fill.BlockSet(block_ids, 24)
+        fill.fill_cache_blocks_(view, blocks, value, 8, None, noise)
+
+    assert torch.equal(by_group, by_layer) and not torch.equal(by_group, before)
+
+
 @pytest.mark.parametrize("layout,block_dim", [("layer-outer", 1), ("block-outer", 0)])
 def test_words_are_indexed_in_memory_order(layout, block_dim):
     """The indexed kernel walks the view's dims in order: layers outermost

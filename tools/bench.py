@@ -3,7 +3,7 @@
     python -m tools.bench [--device cuda] [--repeats N] [--table T]
         [--requests N ...] [--min-seconds S]
 
-Two tables. "calls": one `_fill_blocks` call per case, upstream's and the
+Three tables. "calls": one `_fill_blocks` call per case, upstream's and the
 overlay's. "step": one scheduler step admitting 1 - 1024 requests of a
 48-layer hybrid model, through `start_fill_kv`: upstream's step, the
 overlay request by request, the overlay's one fill per group per step, and
@@ -18,8 +18,11 @@ The limit is a memset (an in-place constant fill) of a contiguous buffer of
 the same bytes, for random fills too: they copy samples drawn once per
 registration (``fill.NoiseBank``), and no fill of the bytes writes them
 faster. Times are medians, the calls a row compares timed in
-turn, round after round (`measure_in_turn`); memory is the peak allocated
-during one call, beyond what was allocated before it.
+turn, round after round (``tools/timing.py``, the GPU check's harness too);
+memory is the peak allocated during one call, beyond what was allocated
+before it. The step tables time the step of ``tools/step_rig.py``: the
+"allocated" table over caches vLLM's own allocator builds, the "step" table
+over one pool per layer slot with list states.
 """
 
 from __future__ import annotations
@@ -28,9 +31,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -39,17 +40,30 @@ from typing import Any
 import torch
 
 import vllm_kvfill_patch
+from tools import step_rig
+from tools.step_rig import (
+    BLOCK_TOKENS,
+    KERNEL_SPLIT,
+    LAYERS_PER_GROUP,
+    LINEAR_GROUPS,
+    STATE_BLOCKS,
+    layer_names,
+    step_blocks,
+    step_requests,
+)
+from tools.timing import (
+    MIN_MEASURED_SECONDS,
+    Measured,
+    Timing,
+    against,
+    measure,
+    measure_in_turn,
+    peak_allocated,
+    seconds,
+)
 from vllm_kvfill_patch.gating import CONNECTOR_MODULE, bare_worker, upstream_function
 
 MIB = 1024 * 1024
-
-MIN_MEASURED_SECONDS = 0.05
-"""A call is timed at least `Timing.repeats` times and for at least this long: a
-call of microseconds is timed thousands of times, so that its median is not
-one scheduler hiccup's."""
-
-ROUND_SECONDS = 0.01
-"""About how long each call runs in a round of `measure_in_turn`."""
 
 ATTENTION_BLOCKS = 4096
 ATTENTION_BLOCK_SHAPE = (2, 16, 8, 128)  # K/V, block_size, heads, head_dim
@@ -65,25 +79,6 @@ class Case:
     std: float
     num_blocks: int
     dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class Timing:
-    """How long each call is timed: at least `repeats` runs and at least
-    `min_seconds` in all."""
-
-    repeats: int
-    min_seconds: float = MIN_MEASURED_SECONDS
-
-    def with_repeats(self, repeats: int) -> Timing:
-        return Timing(repeats, self.min_seconds)
-
-
-@dataclass
-class Measured:
-    seconds: float | None
-    peak_bytes: int | None
-    error: str | None = None
 
 
 def attention_case(name: str, block_ids: list[int], std: float) -> Case:
@@ -184,82 +179,6 @@ def one_layer_worker(
     return worker, layout_from(worker.vllm_config.cache_config, None, worker)
 
 
-def measure(
-    call: Callable[[], None], device: torch.device, timing: Timing, peak: bool = True
-) -> Measured:
-    """`call`'s median time and (with `peak`) its peak memory."""
-    measured = measure_in_turn({"call": call}, device, timing)["call"]
-    if peak and measured.seconds is not None:
-        measured.peak_bytes = peak_allocated(call, device)
-    return measured
-
-
-def measure_in_turn(
-    calls: dict[str, Callable[[], None]], device: torch.device, timing: Timing
-) -> dict[str, Measured]:
-    """Each call's median time, the calls timed in turn, round after round,
-    until each has run as long as `timing` says.
-
-    A table's ratio compares calls measured in the same rounds: a slow spell
-    of a shared machine (a second or two, about half of the runs here) falls
-    on all of them alike, where timed one after the other it could fall on
-    one of them only. In a round each call runs for
-    about `ROUND_SECONDS` (once, if one run takes longer), so that a call of
-    microseconds does not make one of milliseconds run thousands of times."""
-    results: dict[str, Measured] = {}
-    runs_per_round: dict[str, int] = {}
-    for name, call in calls.items():
-        start = time.perf_counter()
-        try:
-            call()  # warm-up, and the first error
-            synchronize(device)
-        except Exception as exc:  # noqa: BLE001 - upstream may crash; report it
-            results[name] = Measured(None, None, f"{type(exc).__name__}: {exc}")
-        else:
-            warm_up = time.perf_counter() - start
-            runs_per_round[name] = max(1, int(ROUND_SECONDS / max(warm_up, 1e-9)))
-    times: dict[str, list[float]] = {name: [] for name in runs_per_round}
-    while any(
-        len(taken) < timing.repeats or sum(taken) < timing.min_seconds
-        for taken in times.values()
-    ):
-        for name, runs in runs_per_round.items():
-            for _ in range(runs):
-                synchronize(device)
-                start = time.perf_counter()
-                calls[name]()
-                synchronize(device)
-                times[name].append(time.perf_counter() - start)
-    for name, taken in times.items():
-        results[name] = Measured(statistics.median(taken), None)
-    return {name: results[name] for name in calls}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_allocated(call: Callable[[], None], device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        call()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        call()
-    # Allocations are charged to the op that made them, frees to "[memory]".
-    current = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
-
-
 def run_case(case: Case, device: torch.device, timing: Timing, mean: float) -> dict:
     worker_cls, upstream = upstream_method("_fill_blocks")
     from vllm_kvfill_patch.worker_step import fill_groups
@@ -317,20 +236,13 @@ def format_row(case: Case, result: dict) -> str:
 
 # The step table: one admission step of a Qwen3-Next-like hybrid model.
 
-STEP_ATTENTION_LAYERS = 12
-STEP_LINEAR_LAYERS = 36
-STEP_LINEAR_GROUPS = 3
-"""vLLM's hybrid allocator puts 12 linear-attention layers in each of three
-groups beside the attention group, all over one pool per layer slot."""
-STEP_ATTENTION_BLOCKS, STEP_STATE_BLOCKS = 8, 1
-"""Per request: a 128-token prompt in 16-token attention blocks; one state
-block per linear group (prefix caching off)."""
 STEP_PAGE_BYTES = 4096
 STEP_ATTENTION_BLOCK = (2, 16, 1, 64)  # K/V, tokens, heads, head_dim; bf16
 STEP_STATES = ((3, 128), (2, 16, 16))  # conv, recurrent; fp32
-"""Qwen3-Next-80B at TP=4 has 536 KiB pages (conv (3, 2048), recurrent
-(8, 128, 128) in fp32): scaled down 128x in channels and heads, to 4 KiB
-pages, so that a pool for 1024 requests is 12 x 11,265 pages = 540 MiB."""
+"""The step (``tools/step_rig``) at Qwen3-Next-80B-at-TP=4's pages (536 KiB:
+conv (3, 2048), recurrent (8, 128, 128) in fp32) scaled down 128x in
+channels and heads, to 4 KiB pages, so that a pool for 1024 requests is 12 x
+11,265 pages = 540 MiB."""
 STEP_REQUESTS = (1, 16, 256, 1024)
 RANDOM_STD = 0.1
 """The random step's ``fill_std`` (`--std`)."""
@@ -349,15 +261,15 @@ def step_worker(
     num_blocks = step_blocks(requests)
     page_floats = STEP_PAGE_BYTES // 4
     caches: dict[str, Any] = {}
-    groups: dict[int, list[str]] = {g: [] for g in range(1 + STEP_LINEAR_GROUPS)}
-    for slot in range(STEP_ATTENTION_LAYERS):
+    groups: dict[int, list[str]] = {g: [] for g in range(1 + LINEAR_GROUPS)}
+    for slot in range(LAYERS_PER_GROUP):
         pool = torch.zeros(num_blocks * page_floats, device=device)
         attention = f"layers.{slot}.attn"
         caches[attention] = pool.view(torch.bfloat16).view(
             num_blocks, *STEP_ATTENTION_BLOCK
         )
         groups[0].append(attention)
-        for group in range(1, 1 + STEP_LINEAR_GROUPS):
+        for group in range(1, 1 + LINEAR_GROUPS):
             linear = f"layers.{slot}.linear{group}"
             caches[linear] = state_views(pool, num_blocks, STEP_STATES, page_floats)
             groups[group].append(linear)
@@ -365,25 +277,6 @@ def step_worker(
     layout = layout_from(worker.vllm_config.cache_config, None, worker)
     reqs = step_requests(requests, num_blocks)
     return worker, layout, reqs
-
-
-def step_blocks(requests: int) -> int:
-    """Blocks of a step's pool: every request's, and the null block."""
-    blocks_per_request = STEP_ATTENTION_BLOCKS + STEP_LINEAR_GROUPS * STEP_STATE_BLOCKS
-    return 1 + requests * blocks_per_request
-
-
-def step_requests(requests: int, num_blocks: int) -> dict:
-    """The step's metadata ``{req_id: (block_ids_per_group, num_tokens)}``, the
-    blocks handed out as the allocator does: interleaved between requests."""
-    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
-    free = (order + 1).tolist()
-    reqs = {}
-    for r in range(requests):
-        attention = [free.pop() for _ in range(STEP_ATTENTION_BLOCKS)]
-        states = [[free.pop()] for _ in range(STEP_LINEAR_GROUPS)]
-        reqs[f"r{r}"] = ((attention, *states), 16 * STEP_ATTENTION_BLOCKS)
-    return reqs
 
 
 def step_limit(worker: Any, reqs: dict, mean: float) -> Callable[[], None]:
@@ -412,7 +305,7 @@ def step_table(
     timing: Timing,
     mean: float,
     series: ModuleType | None,
-    step_requests: Sequence[int] = STEP_REQUESTS,
+    request_counts: Sequence[int] = STEP_REQUESTS,
 ) -> None:
     series_columns = " | series per step ms | series/limit" if series else ""
     print(
@@ -421,7 +314,7 @@ def step_table(
         f"| upstream/step | per-request overhead us{series_columns} |"
     )
     print("|---" * (10 + (2 if series else 0)) + "|")
-    for requests in step_requests:
+    for requests in request_counts:
         print(step_row(requests, device, timing, mean, series), flush=True)
     print(
         f"(upstream not run above {UPSTREAM_MAX_REQUESTS} requests: its step grows "
@@ -442,14 +335,8 @@ def step_row(
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
     worker, layout, reqs = step_worker(worker_cls, requests, device, mean)
     metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
-    filled_bytes = (
-        requests
-        * (
-            STEP_ATTENTION_BLOCKS * STEP_ATTENTION_LAYERS
-            + STEP_STATE_BLOCKS * STEP_LINEAR_LAYERS
-        )
-        * STEP_PAGE_BYTES
-    )
+    blocks_per_slot = step_rig.ATTENTION_BLOCKS + LINEAR_GROUPS * STATE_BLOCKS
+    filled_bytes = requests * LAYERS_PER_GROUP * blocks_per_slot * STEP_PAGE_BYTES
 
     def per_request():
         for block_ids_per_group, _tokens in reqs.values():
@@ -478,7 +365,7 @@ def step_row(
         _ms(upstream),
         f"{by_request_s * 1e3:.2f}",
         f"{step_s * 1e3:.2f}",
-        f"{step_s / limit_s:.2f}x",
+        against(step_s, limit_s),
         vs_upstream if vs_upstream == "-" else f"{vs_upstream:.0f}x",
         f"{(step_s - limit_s) / requests * 1e6:.1f}",
     ]
@@ -486,7 +373,7 @@ def step_row(
         patched = in_turn["series"]
         cells += [
             f"{seconds(patched) * 1e3:.2f}",
-            f"{seconds(patched) / limit_s:.2f}x",
+            against(seconds(patched), limit_s),
         ]
     return "| " + " | ".join(cells) + " |"
 
@@ -507,16 +394,11 @@ def series_step(
     return lambda: series_worker.start_fill_kv(metadata)
 
 
-ALLOCATED_KERNEL_SPLIT = 2
-"""The attention group's 16-token blocks run as 8-token kernel blocks (as
-FlashInfer or FlashMLA split a hybrid model's raised block size)."""
-
-
 def allocated_table(
     device: torch.device,
     timing: Timing,
     mean: float,
-    step_requests: Sequence[int] = STEP_REQUESTS,
+    request_counts: Sequence[int] = STEP_REQUESTS,
     std: float = RANDOM_STD,
 ) -> None:
     """The step on caches vLLM's own allocator builds (0.32+): one backing
@@ -531,7 +413,7 @@ def allocated_table(
         "| upstream random ms | upstream/random |"
     )
     print("|---" * 11 + "|")
-    for requests in step_requests:
+    for requests in request_counts:
         print(allocated_row(requests, device, timing, mean, std), flush=True)
     print(
         f"(random: fill_std {std}; upstream not run above "
@@ -554,20 +436,19 @@ def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
     from vllm.v1.worker.utils import allocate_kv_cache
 
     attention = FullAttentionSpec(
-        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+        block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
     )
     mamba = MambaSpec(
-        block_size=16,
+        block_size=BLOCK_TOKENS,
         shapes=STEP_STATES,
         dtypes=(torch.float32, torch.float32),
         page_size_padded=STEP_PAGE_BYTES,
     )
     assert attention.page_size_bytes == STEP_PAGE_BYTES
-    size = STEP_ATTENTION_LAYERS * num_blocks * STEP_PAGE_BYTES
+    size = LAYERS_PER_GROUP * num_blocks * STEP_PAGE_BYTES
     groups, tensors = [], []
-    for group in range(1 + STEP_LINEAR_GROUPS):
-        kind = "attn" if group == 0 else f"linear{group}"
-        layers = [f"layers.{slot}.{kind}" for slot in range(STEP_ATTENTION_LAYERS)]
+    for group in range(1 + LINEAR_GROUPS):
+        layers = layer_names(group)
         groups.append(KVCacheGroupSpec(layers, attention if group == 0 else mamba))
         tensors.append(
             KVCacheTensor(
@@ -580,7 +461,7 @@ def allocated_caches(num_blocks: int, device: torch.device) -> tuple[Any, dict]:
     config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
     )
-    kernel_sizes = [16 // ALLOCATED_KERNEL_SPLIT] + [16] * STEP_LINEAR_GROUPS
+    kernel_sizes = [BLOCK_TOKENS // KERNEL_SPLIT] + [BLOCK_TOKENS] * LINEAR_GROUPS
     caches = allocate_kv_cache(config, device, KVCacheLayout.LBNHC, kernel_sizes)
     return config, caches
 
@@ -592,30 +473,20 @@ def allocated_row(
 
     module = importlib.import_module(CONNECTOR_MODULE)
     worker_cls, upstream_fill_kv = upstream_method("start_fill_kv")
-    num_blocks = step_blocks(requests)
-    config, caches = allocated_caches(num_blocks, device)
+    config, caches = allocated_caches(step_blocks(requests), device)
     group_to_layers = {
         g: group.layer_names for g, group in enumerate(config.kv_cache_groups)
     }
-    reqs = step_requests(requests, num_blocks)
-    metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=reqs)
+    step = step_rig.Step(caches, group_to_layers, requests)
+    metadata = module.DecodeBenchConnectorMetadata(reqs_to_fill=step.requests)
     workers = {
-        name: bare_worker(worker_cls, caches, group_to_layers, num_blocks, mean, s)
+        name: bare_worker(worker_cls, caches, group_to_layers, step.num_blocks, mean, s)
         for name, s in (("constant", 0.0), ("random", std))
     }
-    layouts = {name: layout_from(None, config, w) for name, w in workers.items()}
-    memset_buffer = torch.empty(
-        written_bytes(caches, group_to_layers, reqs, num_blocks),
-        dtype=torch.int8,
-        device=device,
-    )
-    calls: dict[str, Callable[[], None]] = {
-        "memset": lambda: memset_buffer.fill_(1),
-        **{
-            name: functools.partial(fill_step, worker, layouts[name], reqs)
-            for name, worker in workers.items()
-        },
-    }
+    calls: dict[str, Callable[[], object]] = {"memset": step.memset}
+    for name, worker in workers.items():
+        layout = layout_from(None, config, worker)
+        calls[name] = functools.partial(fill_step, worker, layout, step.requests)
     in_turn = measure_in_turn(calls, device, timing)
     memset_s, constant_s, random_s = (seconds(m) for m in in_turn.values())
     upstream = {
@@ -628,41 +499,24 @@ def allocated_row(
         for name, worker in workers.items()
     }
 
-    def against(measured: Measured, step_s: float) -> str:
-        return "-" if measured.seconds is None else f"{measured.seconds / step_s:.1f}x"
+    def upstream_against(name: str, step_s: float) -> str:
+        measured = upstream[name].seconds
+        return "-" if measured is None else f"{measured / step_s:.1f}x"
 
     cells = [
         str(requests),
-        f"{memset_buffer.numel() / MIB:.1f}",
+        f"{step.written_bytes / MIB:.1f}",
         f"{memset_s * 1e3:.3f}",
         f"{constant_s * 1e3:.3f}",
-        f"{constant_s / memset_s:.2f}x",
+        against(constant_s, memset_s),
         _ms(upstream["constant"]),
-        against(upstream["constant"], constant_s),
+        upstream_against("constant", constant_s),
         f"{random_s * 1e3:.3f}",
-        f"{random_s / memset_s:.2f}x",
+        against(random_s, memset_s),
         _ms(upstream["random"]),
-        against(upstream["random"], random_s),
+        upstream_against("random", random_s),
     ]
     return "| " + " | ".join(cells) + " |"
-
-
-def written_bytes(
-    caches: dict, group_to_layers: dict, reqs: dict, num_blocks: int
-) -> int:
-    """The bytes a step must write: each requested block's rows (its kernel
-    rows, where split) in every layer of its group, as the layer's view
-    covers them (vLLM 0.29+'s views cover a page's state bytes, not the
-    padding up to the attention page)."""
-    total = 0
-    for g, layers in group_to_layers.items():
-        ids = {i for block_ids, _ in reqs.values() for i in block_ids[g]}
-        ids.discard(0)
-        for name in layers:
-            cache = caches[name]
-            ratio = cache.shape[0] // num_blocks
-            total += len(ids) * ratio * cache[0].nbytes
-    return total
 
 
 def upstream_step(
@@ -687,13 +541,6 @@ def load_module_file(name: str, path: str | None) -> ModuleType | None:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def seconds(m: Measured) -> float:
-    """`m`'s time; a measurement that failed stops the table with its error."""
-    if m.seconds is None:
-        raise RuntimeError(f"a measurement failed: {m.error}")
-    return m.seconds
 
 
 def _ms(m: Measured) -> str:

@@ -35,7 +35,9 @@ stored as uint8; each with a constant and a random fill. Per path:
 
 Then the step's time against a memset of the bytes it writes, constant and
 random, at 1, 16, 256 and 1024 requests of a 48-layer hybrid with
-Qwen3-Next-80B-at-TP=4 pages (536 KiB; the 1024 row needs about 71 GiB).
+Qwen3-Next-80B-at-TP=4 pages (536 KiB; the 1024 row needs about 71 GiB):
+the step of ``tools/step_rig.py``, timed by ``tools/timing.py``, as
+``tools/bench.py`` times it.
 ``--table FILE`` writes both tables as Markdown. Exit status 1 when any
 check fails.
 """
@@ -43,6 +45,7 @@ check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import subprocess
@@ -56,15 +59,22 @@ from typing import Any
 
 import torch
 
+if not __package__:  # run as a script: the checkout's root holds `tools`
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from tools import step_rig
+from tools.step_rig import view_at
+from tools.timing import (
+    MIN_MEASURED_SECONDS,
+    Timing,
+    against,
+    measure_in_turn,
+    seconds,
+)
+
 PAGE_BYTES = 536 * 1024
 """Qwen3-Next-80B at TP=4: a linear-attention layer's state page."""
 QUICK_PAGE_BYTES = 4096
-LAYERS_PER_GROUP, GROUPS = 12, 4
-"""The timed step: one attention group and three linear-attention groups."""
-ATTENTION_BLOCKS, STATE_BLOCKS = 8, 1
-"""Per request: 8 attention blocks; one state block per linear group."""
-PROMPT_TOKENS = 8 * 16
-KERNEL_SPLIT = 2
 REQUESTS = (1, 16, 256, 1024)
 QUICK_REQUESTS = (1, 16)
 BLOCK_TOKENS = 16
@@ -77,10 +87,14 @@ SLEEP_SECONDS = 0.5
 """The device sleep a step is queued behind in the host-blocking check."""
 
 
-def load_worker_step() -> ModuleType:
-    """The package's ``worker_step`` from the checkout. The package's
-    ``__init__`` is not run: it reads the installed distribution's metadata
-    and registers import hooks, neither of which the fill needs."""
+@functools.cache
+def worker_step() -> ModuleType:
+    """The package's ``worker_step`` from the checkout, loaded at its first
+    use: importing this module changes no module. The package's
+    ``__init__`` is not run: it imports wrapt and registers an import hook
+    on vLLM's connector, neither of which the fill needs (a bare GPU
+    machine has PyTorch alone). Without vLLM, Python's logging stands in
+    for ``vllm.logger``."""
     package = ModuleType("vllm_kvfill_patch")
     package.__path__ = [str(Path(__file__).parents[1] / "vllm_kvfill_patch")]
     sys.modules["vllm_kvfill_patch"] = package
@@ -90,6 +104,12 @@ def load_worker_step() -> ModuleType:
         sys.modules["vllm"] = ModuleType("vllm")
         sys.modules["vllm.logger"] = logging_without_vllm()
     return importlib.import_module("vllm_kvfill_patch.worker_step")
+
+
+def fill() -> ModuleType:
+    """The package's ``fill``, which `worker_step` runs."""
+    worker_step()
+    return importlib.import_module("vllm_kvfill_patch.fill")
 
 
 def logging_without_vllm() -> ModuleType:
@@ -111,10 +131,6 @@ def logging_without_vllm() -> ModuleType:
 
     module.init_logger = init_logger  # type: ignore[attr-defined]
     return module
-
-
-worker_step = load_worker_step()
-fill = importlib.import_module("vllm_kvfill_patch.fill")  # what worker_step runs
 
 
 # The paths: caches over one backing buffer, and where each block's rows are.
@@ -161,15 +177,7 @@ class PathSpec:
 
     build: Callable[[Callable[[int], torch.Tensor], int], Rig]
     pages_at_once: bool = False
-    """A constant fill writes the group's pages in one view (asserted)."""
-
-
-def _view(
-    buffer: torch.Tensor, dtype: torch.dtype, shape: tuple, strides: tuple, at: int
-) -> torch.Tensor:
-    """A `dtype` view of `buffer` (int8) at byte `at`, strides in elements."""
-    assert at % dtype.itemsize == 0, at
-    return torch.as_strided(buffer.view(dtype), shape, strides, at // dtype.itemsize)
+    """A fill writes the group's pages in one view (asserted)."""
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -196,7 +204,7 @@ def pages_rig(
             Cache(
                 0,
                 [
-                    _view(
+                    view_at(
                         buffer,
                         dtype,
                         shape,
@@ -234,7 +242,7 @@ def layers_rig(
         caches, at = [], 0
         for gap in gaps:
             at += gap
-            view = _view(buffer, dtype, shape, _contiguous_strides(shape), at)
+            view = view_at(buffer, dtype, shape, _contiguous_strides(shape), at)
             caches.append(Cache(0, [view], 1 if kv_first else 0, ratio))
             at += nbytes
         return Rig(buffer, caches, num_blocks, encoding)
@@ -264,10 +272,10 @@ def states_rig(states_as: type, conv_dtype: torch.dtype = torch.bfloat16) -> Cal
             attention = (num_blocks, 2, BLOCK_TOKENS, 2, 32)
             strides = (page // 2, *_contiguous_strides(attention)[1:])
             caches.append(
-                Cache(0, [_view(buffer, torch.bfloat16, attention, strides, base)])
+                Cache(0, [view_at(buffer, torch.bfloat16, attention, strides, base)])
             )
             channels, width = CONV
-            conv = _view(
+            conv = view_at(
                 buffer,
                 conv_dtype,
                 (num_blocks, channels, width),
@@ -275,7 +283,7 @@ def states_rig(states_as: type, conv_dtype: torch.dtype = torch.bfloat16) -> Cal
                 base,
             )
             ssm_strides = (page // 4, *_contiguous_strides(SSM))
-            ssm = _view(
+            ssm = view_at(
                 buffer,
                 torch.float32,
                 (num_blocks, *SSM),
@@ -473,13 +481,13 @@ def workers_for(
     values = RANDOMS if random else [(c, 0.0) for c in CONSTANTS]
     for index, (mean, std) in enumerate(values):
         worker = SimpleNamespace(kv_caches=kv_caches, fill_mean=mean, fill_std=std)
-        layout = worker_step.CacheLayout(
+        layout = worker_step().CacheLayout(
             rig.num_blocks,
             rig.encoding,
             group_to_layers,
             dict.fromkeys(group_to_layers, BLOCK_TOKENS),
             kv_caches,
-            noise=fill.NoiseBank() if noise is None else noise[index],
+            noise=fill().NoiseBank() if noise is None else noise[index],
         )
         pairs.append((worker, layout))
     return pairs
@@ -489,7 +497,7 @@ def run_steps(pairs: list, steps: list) -> None:
     """The steps, back to back, worker by worker in turn."""
     for index, block_ids in enumerate(steps):
         worker, layout = pairs[index % 2]
-        worker_step.fill_groups(worker, layout, dict(enumerate(block_ids)))
+        worker_step().fill_groups(worker, layout, dict(enumerate(block_ids)))
 
 
 def buffer_maker(device: torch.device, seed: int) -> Callable[[int], torch.Tensor]:
@@ -517,7 +525,7 @@ def check_path(
     pairs = workers_for(rig, random)
     original = rig.buffer.cpu().view(torch.uint8).clone()
     failures = on_device(rig, pairs, steps, device)
-    if spec.pages_at_once and not random:
+    if spec.pages_at_once:
         fills = [f for _, layout in pairs for f in layout.pages_fills.by_group.values()]
         if None in fills or not fills:
             failures.append("not written as pages")
@@ -601,7 +609,7 @@ def host_blocking(device: torch.device) -> Verdict:
         for (worker, layout), block_ids in zip(pairs, steps, strict=True):
             torch.cuda._sleep(cycles)
             start = time.perf_counter()
-            worker_step.fill_groups(worker, layout, dict(enumerate(block_ids)))
+            worker_step().fill_groups(worker, layout, dict(enumerate(block_ids)))
             worst = max(worst, time.perf_counter() - start)
     stream.synchronize()
     ok = worst < SLEEP_SECONDS / 10
@@ -689,7 +697,7 @@ def graphs(device: torch.device) -> Verdict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         read.copy_(cache[5])
-    worker_step.fill_groups(worker, layout, {0: [5]})
+    worker_step().fill_groups(worker, layout, {0: [5]})
     graph.replay()
     torch.cuda.synchronize(device)
     sees = bool((read == CONSTANTS[0]).all()) and torch.equal(read, cache[5])
@@ -697,7 +705,7 @@ def graphs(device: torch.device) -> Verdict:
     captured = torch.cuda.CUDAGraph()
     with torch.cuda.graph(captured):
         read.copy_(cache[7])  # a graph of something (an empty one warns)
-        worker_step.fill_groups(worker, layout, {0: [7, 9]})
+        worker_step().fill_groups(worker, layout, {0: [7, 9]})
     captured.replay()
     torch.cuda.synchronize(device)
     guarded = torch.equal(before, rig.buffer)
@@ -731,150 +739,58 @@ def cuda_checks(device: torch.device) -> tuple[bool, list[str]]:
 # The timed step: a 48-layer hybrid over vLLM 0.33's allocator's caches.
 
 
-def group_caches(
-    buffer: torch.Tensor,
-    num_blocks: int,
-    page_bytes: int,
-    dtype: torch.dtype,
-    ratio: int,
-) -> list[torch.Tensor]:
-    """12 layer-outer views ``[B * ratio, H, N, C]`` of `dtype` over `buffer`
-    (each layer its own region of `num_blocks` dense pages)."""
-    elements = page_bytes // dtype.itemsize
-    heads, content = 2, 64
-    tokens = elements // (heads * content * ratio)
-    assert tokens * heads * content * ratio == elements, page_bytes
-    shape = (num_blocks * ratio, heads, tokens, content)
-    strides = (elements // ratio, content, heads * content, 1)  # tokens outside heads
-    return [
-        _view(buffer, dtype, shape, strides, layer * num_blocks * page_bytes)
-        for layer in range(LAYERS_PER_GROUP)
-    ]
-
-
-UNWRITTEN = 0x55
-"""The byte a step's buffer holds before the step."""
-
-
-class Step:
-    """A 48-layer hybrid's caches over one backing buffer, and one scheduler
-    step of `requests` requests, filled with `value` ``(mean, std)``."""
-
-    def __init__(
-        self, device: torch.device, requests: int, page_bytes: int, value: tuple
-    ) -> None:
-        blocks_per_request = ATTENTION_BLOCKS + (GROUPS - 1) * STATE_BLOCKS
-        self.num_blocks = 1 + requests * blocks_per_request
-        self.page_bytes = page_bytes
-        size = LAYERS_PER_GROUP * self.num_blocks * page_bytes
-        self.buffer = torch.full((size,), UNWRITTEN, dtype=torch.int8, device=device)
-        order = torch.randperm(
-            self.num_blocks - 1, generator=torch.Generator().manual_seed(0)
-        )
-        free = (order + 1).tolist()
-        self.caches = [
-            group_caches(
-                self.buffer, self.num_blocks, page_bytes, torch.bfloat16, KERNEL_SPLIT
-            )
-        ] + [
-            group_caches(self.buffer, self.num_blocks, page_bytes, torch.int8, 1)
-            for _ in range(GROUPS - 1)
-        ]
-        per_group = [ATTENTION_BLOCKS] + [STATE_BLOCKS] * (GROUPS - 1)
-        self.requests = {
-            f"request-{request}": (
-                [[free.pop() for _ in range(count)] for count in per_group],
-                PROMPT_TOKENS,
-            )
-            for request in range(requests)
-        }
-        self.block_ids = [
-            [b for ids, _ in self.requests.values() for b in ids[group]]
-            for group in range(GROUPS)
-        ]
-        self.written_bytes = sum(
-            len(ids) * LAYERS_PER_GROUP * page_bytes for ids in self.block_ids
-        )
-        kv_caches = {
-            f"group{g}.layer{i}": cache
-            for g, caches in enumerate(self.caches)
-            for i, cache in enumerate(caches)
-        }
-        group_to_layers = {
-            g: [name for name in kv_caches if name.startswith(f"group{g}.")]
-            for g in range(GROUPS)
-        }
-        mean, std = value
-        self.worker = SimpleNamespace(kv_caches=kv_caches, fill_mean=mean, fill_std=std)
+def step_runs(step: step_rig.Step) -> dict[str, Callable[[], None]]:
+    """The patched worker's step over `step`'s caches, with the constant and
+    with the random value: two workers over the same caches."""
+    group_to_layers = step.group_to_layers
+    runs: dict[str, Callable[[], None]] = {}
+    values = {"constant": (CONSTANTS[0], 0.0), "random": RANDOMS[0]}
+    for name, (mean, std) in values.items():
+        worker = SimpleNamespace(kv_caches=step.kv_caches, fill_mean=mean, fill_std=std)
         # No block sizes: the split is found from the block count alone.
-        self.layout = worker_step.CacheLayout(
-            self.num_blocks, None, group_to_layers, kv_caches=kv_caches
+        layout = worker_step().CacheLayout(
+            step.num_blocks, None, group_to_layers, kv_caches=step.kv_caches
         )
-
-    def run(self) -> None:
-        """The patched worker's step."""
-        worker_step.fill_step(self.worker, self.layout, self.requests)
-
-    def far_pages_written(self) -> bool:
-        """One step over an unwritten buffer: each group's lowest and highest
-        block in the first and the last layer written (from 256 requests,
-        gigabytes past the buffer's start), the null block's page not."""
-        self.buffer.fill_(UNWRITTEN)
-        self.run()
-        layers = self.buffer.view(LAYERS_PER_GROUP, self.num_blocks, self.page_bytes)
-        right = True
-        for group, block_ids in enumerate(self.block_ids):
-            for layer in (0, LAYERS_PER_GROUP - 1):
-                for block in (min(block_ids), max(block_ids)):
-                    page = layers[layer, block].cpu()
-                    # int8 pages get zeros; the attention pages bf16 values.
-                    if group == 0:
-                        right &= bool((page != UNWRITTEN).any())
-                    else:
-                        right &= bool((page == 0).all())
-                right &= bool((layers[layer, 0] == UNWRITTEN).all())
-        return right
+        runs[name] = functools.partial(
+            worker_step().fill_step, worker, layout, step.requests
+        )
+    return runs
 
 
-def timed(
-    call: Callable[[], object], device: torch.device, repeats: int, wait: bool = True
-) -> float:
-    """The median time of `call`; with `wait`, until the device has done it,
-    else until it returns (what the host pays: on a GPU the launches)."""
-    call()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if wait and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return sorted(times)[len(times) // 2]
+def far_pages_written(step: step_rig.Step, run: Callable[[], None]) -> bool:
+    """One step over an unwritten buffer: each group's lowest and highest
+    block in the first and the last layer written (from 256 requests,
+    gigabytes past the buffer's start), the null block's page not."""
+    step.buffer.fill_(step_rig.UNWRITTEN)
+    run()
+    pages = step.layer_pages()
+    right = True
+    for group, block_ids in step.block_ids.items():
+        for layer in (0, step_rig.LAYERS_PER_GROUP - 1):
+            for block in (min(block_ids), max(block_ids)):
+                page = pages[layer, block].cpu()
+                # int8 pages get zeros; the attention pages bf16 values.
+                if group == 0:
+                    right &= bool((page != step_rig.UNWRITTEN).any())
+                else:
+                    right &= bool((page == 0).all())
+            right &= bool((pages[layer, 0] == step_rig.UNWRITTEN).all())
+    return right
 
 
-def kernels_in(step: Step, device: torch.device) -> int | None:
-    """How many kernels (and copies) one run of `step` launches; None where
-    the profiler sees none (CUPTI missing)."""
+def kernels_in(run: Callable[[], None], device: torch.device) -> int | None:
+    """How many kernels (and copies) one `run` launches; None where the
+    profiler sees none (CUPTI missing)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step.run()
+    run()
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step.run()
+        run()
         torch.cuda.synchronize(device)
     cuda = torch.autograd.DeviceType.CUDA
     names = [e.name for e in prof.events() if e.device_type == cuda]
     return len(names) or None
-
-
-def time_memset(view: torch.Tensor, device: torch.device, repeats: int) -> float:
-    """A memset of `view`: the bytes a step writes, contiguous, in the
-    caches' own buffer (at 1024 requests the caches take half an H200)."""
-    return timed(lambda: view.fill_(1), device, repeats)
 
 
 TIMING_HEADER = (
@@ -885,39 +801,40 @@ TIMING_HEADER = (
 
 
 def time_row(
-    device: torch.device, page_bytes: int, count: int, repeats: int
+    device: torch.device, page_bytes: int, count: int, timing: Timing
 ) -> tuple[str, bool]:
-    constant = Step(device, count, page_bytes, (CONSTANTS[0], 0.0))
-    memset = time_memset(constant.buffer[: constant.written_bytes], device, repeats)
-    constant_s = timed(constant.run, device, repeats)
-    constant_host = timed(constant.run, device, repeats, wait=False)
-    constant_kernels = kernels_in(constant, device) if device.type == "cuda" else None
-    far = constant.far_pages_written()
-    del constant  # at 1024 requests its buffer is half an H200
-    random = Step(device, count, page_bytes, RANDOMS[0])
-    random_s = timed(random.run, device, repeats)
-    random_host = timed(random.run, device, repeats, wait=False)
-    random_kernels = kernels_in(random, device) if device.type == "cuda" else None
-    far &= random.far_pages_written()
+    """The step's row: the memset and both steps timed in turn until the
+    device is done, then the steps until they return (the host's time)."""
+    step = step_rig.hybrid_step(device, count, page_bytes)
+    runs = step_runs(step)
+    done = measure_in_turn({"memset": step.memset, **runs}, device, timing)
+    memset, constant, random = (seconds(m) for m in done.values())
+    host = measure_in_turn(runs, device, timing, wait=False)
+    kernels = {
+        name: kernels_in(run, device) if device.type == "cuda" else None
+        for name, run in runs.items()
+    }
+    far = all(far_pages_written(step, run) for run in runs.values())
     row = (
-        f"| {count} | {random.written_bytes / 2**30:.3f} | {memset * 1e3:.3f} "
-        f"| {constant_s * 1e3:.3f} | {constant_s / memset:.2f}x "
-        f"| {random_s * 1e3:.3f} | {random_s / memset:.2f}x "
-        f"| {constant_host * 1e3:.3f}, {random_host * 1e3:.3f} "
-        f"| {constant_kernels or '-'}, {random_kernels or '-'} "
+        f"| {count} | {step.written_bytes / 2**30:.3f} | {memset * 1e3:.3f} "
+        f"| {constant * 1e3:.3f} | {against(constant, memset)} "
+        f"| {random * 1e3:.3f} | {against(random, memset)} "
+        f"| {seconds(host['constant']) * 1e3:.3f}, "
+        f"{seconds(host['random']) * 1e3:.3f} "
+        f"| {kernels['constant'] or '-'}, {kernels['random'] or '-'} "
         f"| {'ok' if far else 'WRONG'} |"
     )
     return row, far
 
 
 def time_steps(
-    device: torch.device, page_bytes: int, requests: tuple, repeats: int
+    device: torch.device, page_bytes: int, requests: tuple, timing: Timing
 ) -> tuple[bool, list[str]]:
     print(f"\n(pages {page_bytes // 1024} KiB, {device})\n{TIMING_HEADER}")
     print("|---" * 10 + "|")
     ok, rows = True, []
     for count in requests:
-        row, row_ok = time_row(device, page_bytes, count, repeats)
+        row, row_ok = time_row(device, page_bytes, count, timing)
         print(row, flush=True)
         rows.append(row)
         ok &= row_ok
@@ -953,7 +870,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="small paths, 4 KiB pages, 1 and 16 requests (CI, on the CPU)",
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per step")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help=f"timed runs per step, at least (and {MIN_MEASURED_SECONDS} s at least)",
+    )
     parser.add_argument(
         "--requests",
         type=int,
@@ -985,7 +907,8 @@ def main(argv: list[str] | None = None) -> int:
             "cuda   not a CUDA device: streams, sync, host blocking, allocator "
             "and graphs not checked"
         )
-    timing_ok, timing_rows = time_steps(device, page_bytes, requests, args.repeats)
+    timing = Timing(args.repeats)
+    timing_ok, timing_rows = time_steps(device, page_bytes, requests, timing)
     ok &= timing_ok
     if args.table:
         write_table(args.table, name, path_rows, cuda_rows, timing_rows, page_bytes)

@@ -369,9 +369,9 @@ def _dense(page: torch.Tensor) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class PagesFill:
-    """A constant fill of a ``group_pages`` view, worked out once (the view
-    and scalar it writes, the view as 16-byte words), so that a step only
-    picks its blocks."""
+    """A fill of a ``group_pages`` view, worked out once (the view and the
+    scalar it writes, the view as 16-byte words, or a random fill's samples),
+    so that a step only picks its blocks."""
 
     pages: torch.Tensor
     constant: float | int
@@ -379,11 +379,20 @@ class PagesFill:
     """Zeros are written because the dtype cannot hold the value."""
     words: PageWords | None
     """The pages as words for one indexed kernel, see `PageWords.of`."""
+    samples: PageSamples | None = None
+    """A random fill's samples, copied instead of the constant."""
 
     @classmethod
-    def of(cls, pages: torch.Tensor, value: FillValue) -> PagesFill:
+    def of(
+        cls, pages: torch.Tensor, value: FillValue, noise: NoiseBank | None = None
+    ) -> PagesFill:
+        """The fill of `value` (random values from `noise`, a bank of its own
+        where none is given)."""
         pages, value = _float8_as_bytes(pages, value)
         constant = _constant_for(pages.dtype, value)
+        if constant is not None and value.std > 0:
+            samples = PageSamples.of(pages, value, noise or NoiseBank())
+            return cls(pages, constant, False, None, samples)
         zeroed = constant is None and bool(value.mean)
         written = 0 if constant is None else constant
         words = PageWords.of(pages, written, as_rows=pages.device != _CPU)
@@ -402,23 +411,56 @@ class PagesFill:
             tuple(pages.shape),
             pages.stride(),
             self.constant,
+            None if self.samples is None else self.samples.rows.data_ptr(),
         )
 
     def write_(self, block_ids: Iterable[int]) -> list[int]:
-        """Write the constant into the pages of `block_ids` (the valid ones,
-        see `sort_block_ids`): as words by one indexed kernel from
-        `PageWords.min_runs` runs on, else as a single tensor. Without the
-        `BlockSet` the layer-by-layer fills share: a pages fill is one write,
-        and a set's bookkeeping would be a large part of it. Returns the ids outside
-        the pages' pool, not written."""
+        """Write the constant (or the samples) into the pages of `block_ids`
+        (the valid ones, see `sort_block_ids`): as words by one indexed
+        kernel from `PageWords.min_runs` runs on, else as a single tensor.
+        Without the `BlockSet` the layer-by-layer fills share: a pages fill
+        is one write, and a set's bookkeeping would be a large part of it.
+        Returns the ids outside the pages' pool, not written."""
         ids, outside = sort_block_ids(block_ids, self.pages.shape[0])
         if not ids:
             return outside
-        if self.words is not None and _has_runs(ids, self.words.min_runs):
+        if self.samples is not None:
+            self.samples.copy_(ids)
+        elif self.words is not None and _has_runs(ids, self.words.min_runs):
             self.words.fill_(ids)
         else:
             _fill_constant_runs_(self.pages, RowRuns(ids), self.constant)
         return outside
+
+
+@dataclass(frozen=True, eq=False)
+class PageSamples:
+    """A random fill of a ``group_pages`` view: the k-th requested block's
+    page, in every layer, gets the bank's page row ``k mod len(bank)``.
+
+    One broadcast ``index_put_`` per bank's length of blocks writes every
+    layer of the group, where a fill layer by layer pays a Python call, its
+    views and two kernels per layer (most of a small step). Each layer gets
+    the same samples for a block, as the layers' own fills copy them (one
+    bank per dtype and value); where a bank's page is whole kernel rows, the
+    same bytes.
+    """
+
+    target: torch.Tensor
+    """The pages ``(blocks, layers, page)``, as words where they divide."""
+    rows: torch.Tensor
+    """The bank's pages ``(rows, 1, page)``, alike, broadcast over layers."""
+
+    @classmethod
+    def of(cls, pages: torch.Tensor, value: FillValue, noise: NoiseBank) -> PageSamples:
+        bank = noise.rows(pages[:, 0], value)
+        target, bank = _as_words(pages, bank)
+        return cls(target, bank[:, None])
+
+    def copy_(self, block_ids: list[int]) -> None:
+        """Copy the samples into every layer's page of `block_ids` (sorted)."""
+        index = _to_device(_host_index(block_ids), self.target.device)
+        _copy_bank_rows_(self.target, index, self.rows)
 
 
 @dataclass(frozen=True, eq=False)
@@ -698,13 +740,13 @@ class NoiseBank:
     one code path and a cost that does not depend on the random generator.
 
     One bank per device, dtype, encoding and value, drawn at its first fill
-    (a worker's layout holds its banks: one draw per registration) as the
-    fill drew its samples before: in float32 (float64 for float64 caches),
-    clamped to the finite range of the dtype written, converted or, for fp8,
-    encoded. Each value is therefore still drawn from normal(mean, std),
-    clamped as before; but the k-th requested row of a tensor (in block
-    order) gets the bank's row ``k mod rows``: the bank's rows repeat every
-    `rows` rows (at least `NOISE_ROWS`), so blocks are not independent.
+    (a worker's layout holds its banks: one draw per registration):
+    normal(mean, std) samples in float32 (float64 for float64 caches),
+    clamped to the finite range of the dtype written, then converted or, for
+    fp8, encoded. The k-th requested row of a tensor (in block order; of a
+    group's pages written at once, the k-th block's page, `PageSamples`) gets
+    the bank's row ``k mod rows``: the rows repeat every `rows` rows (at
+    least `NOISE_ROWS`), so blocks are not independent.
     """
 
     def __init__(self) -> None:
@@ -773,7 +815,16 @@ def _fill_random_runs_(
         start, length = runs.runs[0]
         target[start : start + length].copy_(bank[:length])
         return
-    index = runs.index(rows.device)
+    _copy_bank_rows_(target, runs.index(rows.device), bank)
+
+
+def _copy_bank_rows_(
+    target: torch.Tensor, index: torch.Tensor, bank: torch.Tensor
+) -> None:
+    """Copy into `target`'s rows `index` (along dim 0) the bank's rows, the
+    k-th from row ``k mod len(bank)``: one broadcast ``index_put_`` of the
+    whole bank per bank's length of rows, and one for the rest."""
+    count = bank.shape[0]
     whole = index.numel() // count * count
     if whole:
         target.index_put_((index[:whole].view(-1, count),), bank)

@@ -34,33 +34,30 @@ Why
     fill is most of the step (#56473, #57847).
 
 How
-    Each layer of the group being filled gets exactly the rows of that
-    group's block ids, along the cache's true block dimension (see
-    ``vllm_kvfill_patch.fill``), in place with bounded scratch memory. A tensor
-    cache goes to the block-row fill, a list/tuple of tensors to the state
-    fill, anything else is skipped with one warning per layer; block ids
-    outside a layer's pool are bad input, never written, said once per
-    group. The group map
-    comes from ``kv_cache_config.kv_cache_groups`` where upstream collapsed it
-    to group 0; the block count from ``kv_cache_config.num_blocks``; each
-    group's block size from its spec, to cross-check a kernel split. A step
-    fills the union of its requests' block ids once per
-    group: the block set and its row index are built once and shared by
-    every layer and state tensor of the group, and where the group's layers
-    are pages of one buffer at a constant stride (vLLM 0.32+'s allocator) and
-    take one constant, all of them are written at once through one view
-    (``fill.group_pages``). From the 0.33 KV-cache config: each layer's pool
-    size (``num_blocks_of``), its spec's states per kernel block (compressed
-    caches), and the layers given the raw buffer (no block rows: skipped with
-    one warning). A Mamba layer registered as raw byte pages padded to the
-    attention page (0.27 - 0.28) is written up to its states' bytes, which
-    its spec tells (``cache_of``); from 0.29 the allocator's views hold the
-    state bytes alone. Random values are copied from samples drawn once per
-    registration (``fill.NoiseBank``). What to write is upstream's
-    decision where the release takes it per layer (0.30+, ``fill_value``):
-    zeros for circular-buffer groups, the layer's fp8 encoding, clamped to
-    the dtype's finite range; ``startup_fill`` and the scheduler side stay
-    upstream's own code.
+    Each layer of the group being filled gets exactly the rows of that group's block
+    ids, along the cache's true block dimension (see ``vllm_kvfill_patch.fill``), in
+    place with bounded scratch memory. A tensor cache goes to the block-row fill, a
+    list/tuple of tensors to the state fill, anything else is skipped with one
+    warning per layer; block ids outside a layer's pool are bad input, never
+    written, said once per group. The group map comes from
+    ``kv_cache_config.kv_cache_groups`` where upstream collapsed it to group 0; the
+    block count from ``kv_cache_config.num_blocks``; each group's block size from
+    its spec, to cross-check a kernel split. A step fills the union of its requests'
+    block ids once per group: the block set and its row index are built once and
+    shared by every layer and state tensor of the group, and where the group's
+    layers are pages of one buffer at a constant stride (vLLM 0.32+'s allocator) and
+    take one value, all of them are written at once through one view
+    (``fill.group_pages``), a constant or random samples alike. From the 0.33
+    KV-cache config: each layer's pool size (``num_blocks_of``), its spec's states
+    per kernel block (compressed caches), and the layers given the raw buffer (no
+    block rows: skipped with one warning). A Mamba layer registered as raw byte
+    pages padded to the attention page (0.27 - 0.28) is written up to its states'
+    bytes, which its spec tells (``cache_of``); from 0.29 the allocator's views hold
+    the state bytes alone. Random values are copied from samples drawn once per
+    registration (``fill.NoiseBank``). What to write is upstream's decision where
+    the release takes it per layer (0.30+, ``fill_value``): zeros for
+    circular-buffer groups, the layer's fp8 encoding, clamped to the dtype's finite
+    range; ``startup_fill`` and the scheduler side stay upstream's own code.
 
     A fill asked for while the current CUDA stream is being captured into a
     graph is not issued (``capturing``, one warning): its index copy from
@@ -378,10 +375,10 @@ def _fill_layer_by_layer(
 
 def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill | None:
     """The fill of every layer of the group at once (one indexed write of
-    16-byte words, or one write per run of blocks), where its layers are
-    pages of one buffer at a constant stride and take the same constant;
-    None where not. A group whose pages another group writes alike shares
-    that group's fill."""
+    16-byte words, or one write per run of blocks; random samples by one
+    broadcast copy), where its layers are pages of one buffer at a constant
+    stride and take the same value; None where not. A group whose pages
+    another group writes alike shares that group's fill."""
     layer_names = layout.group_to_layers.get(group_idx, [])
     caches = [cache_of(worker, layout, name) for name in layer_names]
     layer_blocks = {
@@ -399,7 +396,7 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
     (num_blocks,), (value,) = layer_blocks, values
     if value.std > 0 and writes_zeros(caches[0].dtype, value):
         value = FillValue(value.mean, 0.0, value.encoding)  # zeros all the same
-    if num_blocks is None or value.std > 0:  # samples: layer by layer
+    if num_blocks is None:
         return None
     block_dims = [
         find_block_dim(
@@ -418,7 +415,7 @@ def _pages_fill(worker: Any, layout: CacheLayout, group_idx: int) -> PagesFill |
     pages = group_pages(caches, num_blocks, ratios)
     if pages is None:
         return None
-    pages_fill = PagesFill.of(pages, value)
+    pages_fill = PagesFill.of(pages, value, layout.noise)
     if pages_fill.zeroed:
         logger.warning_once(
             "vllm-kvfill-patch: KV-cache group %d has integer caches (%s; %d "
