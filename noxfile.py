@@ -119,6 +119,11 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["ci"]
 
 
+OUTSIDE_CI = ("node",)
+"""Test sessions `ci` leaves out for their time: the real decode node's (three
+servers, about 5 minutes on 2 cores). Run them with `python3 -m nox -s NAME`."""
+
+
 def ci_sessions() -> list[str]:
     """What `ci` runs: every test session, the longest first, so that the
     last to end is a short one (under `ci`: `engine(0.32.0)` about 5 min,
