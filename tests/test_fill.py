@@ -385,6 +385,15 @@ def layers_of_one_buffer(layout: str, num_layers=3, num_blocks=12, ratio=1):
     return raw, views
 
 
+def twin_buffers(layout: str, ratio: int) -> tuple:
+    """Two equal buffers of 24 blocks, each with its layers' views: one to
+    fill at once, one layer by layer."""
+    first, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    second, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
+    second.copy_(first)
+    return first, views, second, layer_views
+
+
 def written_as_words(pages, value) -> bool:
     """Whether a constant fill of a group view goes through 16-byte words."""
     return fill.PagesFill.of(pages, value).words is not None
@@ -404,9 +413,7 @@ def test_a_groups_pages_as_one_view_fill_the_same_bytes_as_layer_by_layer(
 ):
     blocks = fill.BlockSet(block_ids, 24)
     value = FillValue(0.5)
-    by_group, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
-    by_layer, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
-    by_layer.copy_(by_group)
+    by_group, views, by_layer, layer_views = twin_buffers(layout, ratio)
     before = by_group.clone()
 
     pages = fill.group_pages(views, 24, [ratio] * 3)
@@ -435,9 +442,7 @@ def test_a_groups_pages_take_the_random_bytes_that_layer_by_layer_writes(
     monkeypatch.setattr(fill, "NOISE_BYTES", 4 * 512)  # 4 pages of 512 bytes
     block_ids = [2, 3, 7, 9, 11, *range(13, 24, 2)]
     value, noise = FillValue(0.5, 0.25), fill.NoiseBank()
-    by_group, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
-    by_layer, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
-    by_layer.copy_(by_group)
+    by_group, views, by_layer, layer_views = twin_buffers(layout, ratio)
     before = by_group.clone()
 
     pages = fill.group_pages(views, 24, [ratio] * 3)
@@ -495,9 +500,7 @@ def test_pages_written_as_rows_hold_what_layer_by_layer_writes(
 ):
     """The rows a GPU writes (from one run on), on the CPU: the same bytes."""
     blocks = fill.BlockSet(block_ids, 24)
-    by_rows, views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
-    by_layer, layer_views = layers_of_one_buffer(layout, num_blocks=24, ratio=ratio)
-    by_layer.copy_(by_rows)
+    by_rows, views, by_layer, layer_views = twin_buffers(layout, ratio)
     before = by_rows.clone()
 
     pages = fill.group_pages(views, 24, [ratio] * 3)
