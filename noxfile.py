@@ -95,6 +95,7 @@ SUITES = {
         "tests/test_connector.py",
         "tests/test_refill.py",
         "tests/test_options.py",
+        "tests/test_link.py",
         "tests/test_late_apply.py",
         "tests/test_processes.py",
     ],

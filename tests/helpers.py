@@ -212,9 +212,10 @@ def decision_lines(report: dict, decision: str) -> int:
 
 
 @contextlib.contextmanager
-def refill_forgotten():
-    """Inside the block a connector may ask for the refill; after it, this
-    process's patch is as if none had (the installer keeps the request)."""
+def opt_ins_forgotten():
+    """Inside the block a connector may ask for the refill or the link model;
+    after it, this process's patch is as if none had (the installer keeps
+    what was asked)."""
     import vllm_kvfill_patch
     from vllm_kvfill_patch import Decision, installer
 
@@ -223,6 +224,7 @@ def refill_forgotten():
     finally:
         if vllm_kvfill_patch.status().decision is Decision.APPLIED:
             installer._installer.refill_source = ""
+            installer._installer.link_model = None
             vllm_kvfill_patch.revert()
             assert vllm_kvfill_patch.apply().decision is Decision.APPLIED
 

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import applied_defects, overlay_reverted, refill_forgotten
+from tests.helpers import applied_defects, opt_ins_forgotten, overlay_reverted
 from tests.hybrid import (
     BLOCK_SIZE,
     make_pool,
@@ -109,7 +109,7 @@ def test_the_refill_option_puts_the_refill_in_and_says_so(
     default = scheduler_connector(vllm_config_for(), [BLOCK_SIZE])
     assert "refill" not in vllm_kvfill_patch.status().parts
     assert default.connector_scheduler._kvfill_refill_preempted is False
-    with refill_forgotten():
+    with opt_ins_forgotten():
         config = vllm_config_for(refill_preempted=True)
         connector = scheduler_connector(config, [BLOCK_SIZE])
         assert connector.connector_scheduler._kvfill_refill_preempted is True
@@ -139,7 +139,7 @@ def test_the_switch_off_overrules_the_option_and_says_so_once(
 
     monkeypatch.setenv("KVFILL_PATCH_REFILL", "0")
     config = vllm_config_for(refill_preempted=True)
-    with refill_forgotten():
+    with opt_ins_forgotten():
         for _ in range(2):
             connector = scheduler_connector(config, [BLOCK_SIZE])
             assert connector.connector_scheduler._kvfill_refill_preempted is False

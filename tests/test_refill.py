@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import applied_parts, overlay_reverted, refill_forgotten
+from tests.helpers import applied_parts, opt_ins_forgotten, overlay_reverted
 from tests.hybrid import BLOCK_SIZE, PROMPT_LEN, make_request, scheduler_connector
 from vllm_kvfill_patch.releases import parse_release
 
@@ -35,7 +35,7 @@ def refill_connector(vllm_config_for):
     """The same, with the refill asked for in its options."""
     config = vllm_config_for(fill_mean=0.5, refill_preempted=True)
     config.cache_config.block_size = BLOCK_SIZE
-    with refill_forgotten():
+    with opt_ins_forgotten():
         yield scheduler_connector(config, [BLOCK_SIZE])
 
 

@@ -59,6 +59,7 @@ ENGINES = {
         "tests/engine/test_current_engine.py",
         "tests/engine/test_topologies.py",
         "tests/engine/test_fidelity.py",
+        "tests/engine/test_link.py",
         "tests/test_allocator.py",
     ),
 }
@@ -77,7 +78,7 @@ ENGINE_TESTS = {
     "0.24.0": "real engine (swapped into the 0.23.0 engine env)",
     "0.32.0": (
         "real engines (entry point alone, every fill checked; data parallel 3 "
-        "over two nodes); every cache its allocator builds"
+        "over two nodes; the link model); every cache its allocator builds"
     ),
 }
 """Releases the engine session runs, and how."""

@@ -37,6 +37,9 @@ read (``options``)."""
 REFILL = "refill"
 """The opt-in scheduler-side part: fill a preempted request again
 (``preemption``), for a decode node with an offload tier."""
+LINK = "link"
+"""The opt-in part on both sides: a request's KV arrives over a modelled
+link, through vLLM's async-load path (``link``)."""
 
 
 class Decision(str, enum.Enum):
@@ -60,6 +63,10 @@ class Verdict:
     refill_available: bool = False
     """Whether upstream leaves a preempted request to be recomputed, so
     that the opt-in REFILL part can change that."""
+    link_available: bool = False
+    """Whether upstream loads synchronously, records its fills where the
+    LINK part takes them, and has the worker's ``get_finished`` to report
+    them from, so that the opt-in LINK part can go in."""
 
 
 def judge(module: ModuleType, vllm_version: str | None) -> Verdict:
@@ -143,6 +150,7 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
         refill_available = _probe_refill(scheduler_cls)
         zero_token_fill = _probe_zero_token_fill(scheduler_cls)
         prefix_hit = _probe_prefix_hit(scheduler_cls)
+        link_available = _probe_link(module)
     except Exception as exc:  # noqa: BLE001 - any failure means "unknown"
         return Verdict(
             Decision.REFUSED,
@@ -172,7 +180,11 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
     if prefix_hit:
         defects.append(DEFECTS["hit_blocks"])
     return Verdict(
-        Decision.APPLIED, "; ".join(defects), (*parts, OPTIONS), refill_available
+        Decision.APPLIED,
+        "; ".join(defects),
+        (*parts, OPTIONS),
+        refill_available,
+        link_available,
     )
 
 
@@ -273,6 +285,33 @@ def _probe_refill(scheduler_cls: type) -> bool:
     if num_tokens not in (0, 7):
         raise ValueError(f"expected 0 or 7 matched tokens, got {num_tokens}")
     return num_tokens == 0
+
+
+def _probe_link(module: ModuleType) -> bool:
+    """Whether upstream answers a new 8-token request ``(7, False)`` and
+    records its fill in ``_pending_fills``, the connector has vLLM's
+    ``get_finished`` and ``build_connector_meta``, and vLLM has the state a
+    request waits for its KV in."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
+
+    connector_cls = module.DecodeBenchConnector
+    if not all(
+        callable(getattr(connector_cls, name, None))
+        for name in ("get_finished", "build_connector_meta")
+    ) or not hasattr(RequestStatus, "WAITING_FOR_REMOTE_KVS"):
+        return False
+    scheduler_cls = module.DecodeBenchConnectorScheduler
+    scheduler = bare_scheduler(scheduler_cls)
+    request = probe_request(8, RequestStatus.WAITING)
+    matched = upstream_function(scheduler_cls, "get_num_new_matched_tokens")
+    if matched(scheduler, request, 0) != (7, False):
+        return False
+    blocks = KVCacheBlocks(([KVCacheBlock(block_id) for block_id in (4, 5, 6, 7)],))
+    record = upstream_function(scheduler_cls, "update_state_after_alloc")
+    record(scheduler, request, blocks, 7)
+    return "probe" in scheduler._pending_fills
 
 
 def preempted_after_a_fill(scheduler_cls: type) -> tuple[Any, Any]:

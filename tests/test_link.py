@@ -1,0 +1,356 @@
+"""The link model: a request's KV arrives over a modelled link, through
+vLLM's own async-load path.
+
+vLLM's real ``Scheduler`` of the installed release builds the real
+DecodeBenchConnector from a real VllmConfig; two real worker-role connectors
+(two tensor-parallel ranks, each with its own pool) fill what the scheduler's
+metadata hands them and report it from ``get_finished``; vLLM's own
+``KVOutputAggregator`` counts the ranks' reports. The link's clock is the
+test's, so that arrivals come exactly when the model says.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import opt_ins_forgotten
+from tests.hybrid import (
+    BLOCK_SIZE,
+    GDN_STATES,
+    PAGE_BYTES,
+    PROMPT_LEN,
+    STATE_DTYPE,
+    make_kv_cache_config,
+    make_pool,
+    make_request,
+    make_worker_connector,
+)
+
+NUM_BLOCKS = 64
+RANKS = 2
+STATE_BYTES = sum(math.prod(shape) for shape in GDN_STATES) * STATE_DTYPE.itemsize
+
+
+def runner_output_fields() -> dict[str, dataclasses.Field]:
+    """``ModelRunnerOutput``'s fields of the installed release, by name."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return {field.name: field for field in dataclasses.fields(ModelRunnerOutput)}
+
+
+class Clock:
+    """The link's clock, in whole milliseconds (no rounding at the edges)."""
+
+    def __init__(self) -> None:
+        self.ms = 0
+
+    def __call__(self) -> float:
+        return self.ms / 1e3
+
+
+class Node:
+    """A decode node of vLLM's scheduler and two worker ranks."""
+
+    def __init__(self, vllm_config, hybrid: bool = True) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            KVOutputAggregator,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.pools = [make_pool(NUM_BLOCKS) for _ in range(RANKS)]
+        kv_cache_config = make_kv_cache_config(self.pools[0])
+        if not hybrid:  # the attention group alone
+            del kv_cache_config.kv_cache_groups[1:]
+        vllm_config = copy.deepcopy(vllm_config)
+        vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        # The test's requests carry no block hashes.
+        vllm_config.cache_config.enable_prefix_caching = False
+        if hasattr(vllm_config.cache_config, "mamba_cache_mode"):
+            vllm_config.cache_config.mamba_cache_mode = "none"
+        self.scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=BLOCK_SIZE,
+        )
+        self.ranks = [
+            make_worker_connector(vllm_config, pool, kv_cache_config)
+            for pool in self.pools
+        ]
+        self.aggregator = KVOutputAggregator.from_connector(self.ranks[0], RANKS)
+        self.clock = Clock()
+        scheduler_side = self.scheduler.connector.connector_scheduler
+        self.link = getattr(scheduler_side, "_kvfill_link", None)
+        if self.link is not None:
+            self.link.clock = self.clock
+        self.reports: list[list[set]] = []
+        """Per step, what each rank reported received."""
+
+    def add(self, request_id: str):
+        request = make_request(request_id)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, advance_ms: int = 0):
+        """One scheduler step: schedule, each rank's connector, the
+        aggregated output back to the scheduler."""
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+        fields_of = runner_output_fields()
+        # A step's sampled tokens per request: arrays in 0.11, lists later.
+        sampled = (
+            np.array if "ndarray" in str(fields_of["sampled_token_ids"].type) else list
+        )
+
+        self.clock.ms += advance_ms
+        output = self.scheduler.schedule()
+        scheduled = list(output.num_scheduled_tokens)
+        rank_outputs, reported = [], []
+        for rank in self.ranks:
+            rank.bind_connector_metadata(output.kv_connector_metadata)
+            rank.start_load_kv(None)
+            sending, recving = rank.get_finished(output.finished_req_ids)
+            rank.clear_connector_metadata()
+            reported.append(set(recving or ()))
+            fields = {
+                "req_ids": scheduled,
+                "sampled_token_ids": [sampled([7]) for _ in scheduled],
+                "kv_connector_output": KVConnectorOutput(
+                    finished_sending=sending, finished_recving=recving
+                ),
+            }
+            if "req_id_to_index" in fields_of:  # up to 0.33; derived in 0.34
+                fields["req_id_to_index"] = {r: i for i, r in enumerate(scheduled)}
+            rank_outputs.append(
+                dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT, **fields)
+            )
+        self.reports.append(reported)
+        self.scheduler.update_from_output(
+            output, self.aggregator.aggregate(rank_outputs)
+        )
+        return output
+
+    def blocks(self, request_id: str) -> list[int]:
+        manager = self.scheduler.kv_cache_manager
+        return list(manager.get_block_ids(request_id)[0])
+
+    def state_blocks(self, request_id: str) -> list[int]:
+        """The request's state block (none where the node has no state group)."""
+        manager = self.scheduler.kv_cache_manager
+        groups = manager.get_block_ids(request_id)
+        return [b for b in groups[1] if b != 0] if len(groups) > 1 else []
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def changed_pages(self, before: list[torch.Tensor]) -> list[set[int]]:
+        """Per rank, the pages that differ from `before`."""
+        changed = []
+        for pool, old in zip(self.pools, before, strict=True):
+            rows = (pool.pages() != old.view(NUM_BLOCKS, PAGE_BYTES)).any(dim=1)
+            changed.append(set(rows.nonzero().flatten().tolist()))
+        return changed
+
+
+@pytest.fixture
+def hybrid() -> bool:
+    """Whether the node is the hybrid model's (an attention and a state
+    group): where vLLM finishes async loads of one group only (up to 0.16),
+    the node is its attention group alone."""
+    from vllm_kvfill_patch.link import loads_every_group
+
+    return loads_every_group()
+
+
+@pytest.fixture
+def node_for(vllm_config_for, hybrid):
+    with opt_ins_forgotten():
+        yield lambda **options: Node(vllm_config_for(**options), hybrid)
+
+
+def snapshot(node: Node) -> list[torch.Tensor]:
+    return [pool.raw.clone() for pool in node.pools]
+
+
+def test_a_request_waits_for_its_kv_and_runs_once_every_rank_reported(node_for):
+    from vllm.v1.request import RequestStatus
+
+    import vllm_kvfill_patch
+
+    node = node_for(transfer_latency_ms=200)
+    assert vllm_kvfill_patch.status().parts[-1] == "link"
+    request = node.add("r")
+    before = snapshot(node)
+    admitted = node.step()
+    assert dict(admitted.num_scheduled_tokens) == {}
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = node.blocks("r")
+    assert len(blocks) == 3  # 39 tokens to fill, 16 a block
+    node.step(advance_ms=199)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert node.changed_pages(before) == [set(), set()]
+    node.step(advance_ms=1)
+    # Both ranks filled the request's blocks (its state's page too) and
+    # nothing else, and reported it once.
+    filled = set(blocks) | set(node.state_blocks("r"))
+    assert node.changed_pages(before) == [filled, filled]
+    assert node.reports[-1] == [{"r"}, {"r"}]
+    delivered = node.step()
+    assert dict(delivered.num_scheduled_tokens) == {"r": 1}
+    assert request.num_computed_tokens == PROMPT_LEN
+    for _ in range(3):
+        node.step(advance_ms=10)
+    assert [reports for reports in node.reports if any(reports)] == [[{"r"}, {"r"}]]
+
+
+def test_one_ranks_report_is_not_enough_for_vllms_aggregator(node_for):
+    """vLLM counts a report per rank: with one rank withholding its report,
+    the request stays waiting (what makes a report from every rank needed)."""
+    from vllm.v1.request import RequestStatus
+
+    node = node_for(transfer_latency_ms=0)
+    request = node.add("r")
+    withheld = node.ranks.pop()
+    node.step()
+    node.step()
+    assert node.reports[0] == [{"r"}]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    node.ranks.append(withheld)
+
+
+def test_transfers_share_one_link_first_come_first_served(node_for, hybrid):
+    """Three requests admitted together, each 125 ms on the link (a time
+    binary fractions hold exactly): the k-th arrives at k x 125 ms. A
+    transfer's bytes are what a NIXL node reads: here 3 attention pages, and
+    one state block's states without the padding of its page."""
+    request_bytes = 3 * PAGE_BYTES + (STATE_BYTES if hybrid else 0)
+    gbps = request_bytes * 8 / 0.125 / 1e9
+    node = node_for(transfer_gbps=gbps)
+    for request_id in "abc":
+        node.add(request_id)
+    node.step()
+    assert node.link.bytes_of(([1, 2, 3], [4])[: 1 + hybrid]) == request_bytes
+    arrivals = {}
+    for tick in range(1, 100):
+        node.step(advance_ms=5)
+        for request_id in node.reports[-1][0]:
+            arrivals[request_id] = tick * 5
+    assert arrivals == {"a": 125, "b": 250, "c": 375}
+
+
+def test_a_request_aborted_in_flight_is_reported_and_its_blocks_freed(node_for):
+    from vllm.v1.request import RequestStatus
+
+    node = node_for(transfer_latency_ms=200)
+    free = node.free_blocks()
+    node.add("r")
+    before = snapshot(node)
+    node.step()
+    assert node.free_blocks() < free
+    node.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    node.step(advance_ms=10)
+    assert node.reports[-1] == [{"r"}, {"r"}]
+    assert node.free_blocks() == free
+    assert "r" not in node.scheduler.requests
+    node.step(advance_ms=500)  # its transfer's time passes: nothing written
+    assert node.changed_pages(before) == [set(), set()]
+    assert not any(any(reports) for reports in node.reports[2:])
+
+
+def test_without_the_link_options_the_kv_arrives_in_the_admitting_step(node_for):
+    import vllm_kvfill_patch
+
+    node = node_for()
+    request = node.add("r")
+    before = snapshot(node)
+    admitted = node.step()
+    assert dict(admitted.num_scheduled_tokens) == {"r": 1}
+    assert request.num_computed_tokens == PROMPT_LEN
+    filled = set(node.blocks("r"))
+    assert all(changed >= filled for changed in node.changed_pages(before))
+    assert node.reports == [[set(), set()]] and node.link is None
+    assert "link" not in vllm_kvfill_patch.status().parts
+
+
+def test_where_vllm_loads_one_group_a_hybrid_models_link_is_an_error(
+    vllm_config_for, hybrid
+):
+    """Up to 0.16 vLLM's scheduler finishes async loads of one KV-cache group
+    only: a hybrid model's link options are refused, by name, at once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        KVConnectorRole,
+        decode_bench_connector,
+    )
+
+    def build():
+        return decode_bench_connector.DecodeBenchConnector(
+            vllm_config_for(transfer_latency_ms=5),
+            KVConnectorRole.SCHEDULER,
+            make_kv_cache_config(make_pool(NUM_BLOCKS)),
+        )
+
+    with opt_ins_forgotten():
+        if hybrid:
+            assert build().connector_scheduler._kvfill_link is not None
+            return
+        with pytest.raises(ValueError, match="this model has 2"):
+            build()
+
+
+BAD_LINK_OPTIONS = {
+    "negative latency": ({"transfer_latency_ms": -1}, "must be at least 0"),
+    "text latency": ({"transfer_latency_ms": "200"}, "must be a finite number"),
+    "infinite latency": ({"transfer_latency_ms": float("inf")}, "a finite number"),
+    "zero bandwidth": ({"transfer_gbps": 0}, "must be above 0"),
+    "nan bandwidth": ({"transfer_gbps": float("nan")}, "must be a finite number"),
+    "beside a startup fill": (
+        {"transfer_gbps": 100, "startup_fill": True},
+        "'startup_fill' must be false where transfer_latency_ms",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINK_OPTIONS)
+def test_a_bad_link_option_is_an_error_naming_it(case, vllm_config_for):
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        KVConnectorRole,
+        decode_bench_connector,
+    )
+
+    options, said = BAD_LINK_OPTIONS[case]
+    pool = make_pool(NUM_BLOCKS)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        decode_bench_connector.DecodeBenchConnector(
+            vllm_config_for(**options),
+            KVConnectorRole.SCHEDULER,
+            make_kv_cache_config(pool),
+        )
+
+
+def test_revert_takes_the_link_out_down_to_upstreams_own_methods(node_for):
+    """The wrapper of the inherited ``get_finished`` goes with the rest: the
+    connector class is left without an attribute of its own there."""
+    import wrapt
+    from vllm.distributed.kv_transfer.kv_connector.v1 import decode_bench_connector
+
+    import vllm_kvfill_patch
+
+    node_for(transfer_latency_ms=5)
+    connector = decode_bench_connector.DecodeBenchConnector
+    assert "get_finished" in connector.__dict__
+    inherited = connector.__mro__[1].get_finished
+    vllm_kvfill_patch.revert()
+    assert "get_finished" not in connector.__dict__
+    assert connector.get_finished is inherited
+    for name in ("get_num_new_matched_tokens", "build_connector_meta"):
+        method = connector.__dict__[name]
+        assert wrapt.unwrapped(method) is method
+    assert vllm_kvfill_patch.apply().parts[-1] == "link"

@@ -1,0 +1,332 @@
+"""The link part (opt-in, both sides), documented once here: a request's KV
+arrives over a modelled link, through vLLM's own async-load path.
+
+Target
+    ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
+    ``DecodeBenchConnector.get_num_new_matched_tokens`` (:func:`answer_async`),
+    ``DecodeBenchConnector.build_connector_meta`` (:func:`hand_over_arrivals`),
+    ``DecodeBenchConnectorScheduler.request_finished`` (:func:`drop_in_flight`)
+    on the scheduler side; ``DecodeBenchConnector.get_finished``
+    (:func:`report_arrivals`, inherited from vLLM's base connector) on each
+    worker. The fill itself stays ``worker_step``'s.
+
+Why
+    A real decode node (NixlConnector) answers ``(n, True)``: the request
+    waits in ``WAITING_FOR_REMOTE_KVS`` with its blocks reserved while its KV
+    crosses the link, the node's steps run for the other requests meanwhile,
+    and the request is scheduled once every worker has reported the read
+    finished (``KVOutputAggregator`` counts one report per worker). Upstream's
+    connector answers ``(n, False)``: the KV arrives the moment the request is
+    admitted, and is filled inside the admitting step. The emulated node then
+    admits requests faster than the real one, and pays a fill in a step where
+    the real node pays nothing.
+
+How
+    Off unless ``transfer_latency_ms`` or ``transfer_gbps`` is set in the
+    connector's ``kv_connector_extra_config``: ``options`` checks them and
+    gives the scheduler side a :class:`Link`. A request with tokens to fill is
+    then answered asynchronously. Its transfer carries what a NIXL node reads
+    for it on each rank: every layer's page of each of its blocks, from the
+    KV-cache specs (one link per rank: ranks read in parallel). It finishes at
+    ``max(admitted + latency, the previous transfer's finish) + bytes /
+    bandwidth``: one link, first come first served. At each ``schedule()``,
+    the fills upstream recorded are taken into the link, and those that have
+    arrived are handed to the workers as fills, with their ids. Each worker
+    fills them, then reports them from ``get_finished`` once; on a GPU the
+    fill runs on a stream of its own and is reported once its event is done,
+    never waited for on the host. A request aborted in flight is not filled:
+    it is reported at the next step, so that vLLM frees its blocks.
+
+Upstream
+    The protocol: #17751 (``WAITING_FOR_REMOTE_KVS``, ``finished_recving``),
+    #21072 (``KVOutputAggregator``). The connector is synchronous on purpose
+    (#25986: "the fill is fast enough that async overhead isn't worth it"):
+    the link model stays an option of this package.
+
+Versions
+    Every release the patch applies to (0.11.1 - 0.34 today), where the
+    probes find upstream answering ``(n, False)``, recording its fills in
+    ``_pending_fills`` and a connector with ``get_finished`` (``gating``).
+    Where ``startup_fill`` exists (0.32+) the two cannot be combined: a
+    startup-filled group has no fill to carry. Up to 0.16, vLLM's scheduler
+    finishes async loads of one KV-cache group only (:func:`loads_every_group`
+    asks it): there a hybrid model's link options are an error. Up to 0.14
+    vLLM frees an aborted request's blocks at once, and the report of its
+    dropped transfer leaves its id in the scheduler's set of finished loads.
+
+Remove when
+    Upstream's connector models the link: then use its options instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+LINK_ATTR = "_kvfill_link"
+"""On the connector's scheduler side: its :class:`Link` (absent: no link model)."""
+ARRIVED_ATTR = "_kvfill_arrived"
+"""On a step's connector metadata: the ids of the transfers to report finished."""
+REPORTS_ATTR = "_kvfill_reports"
+"""On a worker: the arrivals it has not reported yet (:class:`Reports`)."""
+
+Fill = tuple[tuple[list[int], ...], int]
+"""Upstream's recorded fill: the block ids of each group, and the tokens."""
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """The link a request's KV crosses: a latency, and a bandwidth per rank."""
+
+    latency_ms: float = 0.0
+    gbps: float | None = None
+    """Gigabits per second, per rank; None: no bandwidth limit."""
+
+    def seconds_for(self, nbytes: int) -> float:
+        """The time `nbytes` take on the link, latency aside."""
+        return 0.0 if self.gbps is None else nbytes * 8 / (self.gbps * 1e9)
+
+    def __str__(self) -> str:
+        if self.gbps is None:
+            return f"latency {self.latency_ms:g} ms, no bandwidth limit"
+        return (
+            f"latency {self.latency_ms:g} ms, {self.gbps:g} Gb/s per rank, "
+            "first come first served"
+        )
+
+
+@dataclass
+class Transfer:
+    fill: Fill
+    nbytes: int
+    finish_at: float
+
+
+@dataclass
+class Link:
+    """The scheduler side's transfers: admitted, in flight, arrived."""
+
+    model: LinkModel
+    bytes_per_block: tuple[int, ...]
+    """Per KV-cache group: one block's bytes on one rank, every layer of it."""
+    clock: Callable[[], float] = time.monotonic
+    free_at: float = -math.inf
+    """When the link is done with the transfers admitted so far."""
+    in_flight: dict[str, Transfer] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    """Transfers aborted in flight, to report without a fill."""
+
+    def admit(self, fills: Mapping[str, Fill]) -> None:
+        """Start a transfer for each fill, in order, on the one link."""
+        now = self.clock()
+        for request_id, fill in fills.items():
+            nbytes = self.bytes_of(fill[0])
+            start = max(now + self.model.latency_ms / 1e3, self.free_at)
+            self.free_at = start + self.model.seconds_for(nbytes)
+            self.in_flight[request_id] = Transfer(fill, nbytes, self.free_at)
+
+    def bytes_of(self, block_ids_per_group: tuple[list[int], ...]) -> int:
+        # Not strict: a latency alone has no bytes per block (an old vLLM).
+        pairs = zip(block_ids_per_group, self.bytes_per_block, strict=False)
+        return sum(len(block_ids) * nbytes for block_ids, nbytes in pairs)
+
+    def arrived(self) -> dict[str, Fill]:
+        """The fills whose transfers have finished by now, taken out."""
+        now = self.clock()
+        done = [rid for rid, t in self.in_flight.items() if t.finish_at <= now]
+        return {rid: self.in_flight.pop(rid).fill for rid in done}
+
+    def drop(self, request_id: str) -> None:
+        """A request finished (aborted) while its transfer is in flight."""
+        if self.in_flight.pop(request_id, None) is not None:
+            self.dropped.append(request_id)
+
+    def take_dropped(self) -> list[str]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+
+def bytes_per_block(kv_cache_config: Any) -> tuple[int, ...]:
+    """Per KV-cache group, what a NIXL decode node reads of one block of
+    every layer in it, on one rank: the page, or a state layer's states
+    without the padding that aligns its page to the attention page."""
+    # Here: worker_step imports this module.
+    from vllm_kvfill_patch.worker_step import padded_state_bytes
+
+    def layer_bytes(spec: Any) -> int:
+        return padded_state_bytes(spec) or spec.page_size_bytes
+
+    sizes = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        sizes.append(
+            sum(layer_bytes(per_layer[name]) for name in group.layer_names)
+            if isinstance(per_layer, dict)
+            else layer_bytes(spec) * len(group.layer_names)
+        )
+    return tuple(sizes)
+
+
+def loads_every_group() -> bool:
+    """Whether vLLM's scheduler can finish an async load of a request with
+    blocks in several KV-cache groups. Up to 0.16 its
+    ``_update_waiting_for_remote_kv`` unpacks one group's block ids and
+    raises "too many values to unpack"; later ones take the request's
+    computed tokens. Asked of upstream's own method, on a bare scheduler."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    probe: Any = object.__new__(Scheduler)
+    probe.connector = object()
+    probe.finished_recving_kv_req_ids = {"probe"}
+    probe.failed_recving_kv_req_ids = set()
+    probe.block_size = 2
+    probe.kv_cache_manager = SimpleNamespace(
+        get_block_ids=lambda request_id: ([1], [2]),
+        cache_blocks=lambda request, num_tokens: None,
+    )
+    request = SimpleNamespace(request_id="probe", num_tokens=8, num_computed_tokens=7)
+    try:
+        Scheduler._update_waiting_for_remote_kv(probe, request)
+    except ValueError as exc:
+        return "unpack" not in str(exc)
+    except Exception:  # noqa: BLE001 - a later scheduler reads more of itself
+        return True
+    return True
+
+
+def link_of(scheduler: Any) -> Link | None:
+    return getattr(scheduler, LINK_ATTR, None)
+
+
+def answer_async(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``DecodeBenchConnector.get_num_new_matched_tokens``."""
+    matched, load_async = wrapped(*args, **kwargs)
+    if matched and link_of(connector.connector_scheduler) is not None:
+        return matched, True
+    return matched, load_async
+
+
+def hand_over_arrivals(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``DecodeBenchConnector.build_connector_meta``: the fills
+    recorded this step go on the link; the arrived ones go to the workers."""
+    scheduler = connector.connector_scheduler
+    link = link_of(scheduler)
+    if link is None:
+        return wrapped(*args, **kwargs)
+    link.admit(scheduler._pending_fills)
+    scheduler._pending_fills.clear()
+    arrived = link.arrived()
+    scheduler._pending_fills.update(arrived)
+    metadata = wrapped(*args, **kwargs)
+    setattr(metadata, ARRIVED_ATTR, (*arrived, *link.take_dropped()))
+    return metadata
+
+
+def drop_in_flight(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``DecodeBenchConnectorScheduler.request_finished``."""
+    link = link_of(scheduler)
+    if link is not None:
+        link.drop(_request_argument(*args, **kwargs).request_id)
+    return wrapped(*args, **kwargs)
+
+
+@dataclass
+class Reports:
+    """A worker's arrivals not reported yet: ids, and the event their fill
+    recorded on the arrival stream (None: done when the step's work is)."""
+
+    pending: list[tuple[tuple[str, ...], Any]] = field(default_factory=list)
+    seen: Any = None
+    """The metadata whose arrivals were taken last: each step's, once."""
+    stream: Any = None
+    event_for: tuple[Any, Any] = (None, None)
+    """(metadata, event): the event recorded after that metadata's fill."""
+
+    def ready(self) -> set[str]:
+        """The ids whose fills are done, taken out."""
+        done: set[str] = set()
+        waiting = []
+        for ids, event in self.pending:
+            if event is None or event.query():
+                done.update(ids)
+            else:
+                waiting.append((ids, event))
+        self.pending = waiting
+        return done
+
+
+def reports_of(worker: Any) -> Reports:
+    reports = getattr(worker, REPORTS_ATTR, None)
+    if reports is None:
+        reports = Reports()
+        setattr(worker, REPORTS_ATTR, reports)
+    return reports
+
+
+def report_arrivals(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``DecodeBenchConnector.get_finished``: a worker reports
+    each arrival once, after its fill is done."""
+    sending, recving = wrapped(*args, **kwargs)
+    worker = getattr(connector, "connector_worker", None)
+    metadata = getattr(connector, "_connector_metadata", None)
+    if worker is None:
+        return sending, recving
+    reports = reports_of(worker)
+    arrived = getattr(metadata, ARRIVED_ATTR, ())
+    if arrived and reports.seen is not metadata:
+        event_metadata, event = reports.event_for
+        reports.pending.append(
+            (tuple(arrived), event if event_metadata is metadata else None)
+        )
+    reports.seen = metadata
+    ready = reports.ready()
+    if ready:
+        recving = set(recving or ()) | ready
+    return sending, recving
+
+
+@contextmanager
+def arrival_stream(worker: Any, metadata: Any) -> Iterator[None]:
+    """Where a step's arrivals are filled: on a CUDA cache, a stream of the
+    worker's own, after the work already queued, with an event that tells
+    :func:`report_arrivals` when it is done; elsewhere, in place."""
+    if not getattr(metadata, ARRIVED_ATTR, ()) or not _on_cuda(worker.kv_caches):
+        yield
+        return
+    import torch  # here: the installer imports this module before vLLM is
+
+    reports = reports_of(worker)
+    if reports.stream is None:
+        reports.stream = torch.cuda.Stream()
+    reports.stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(reports.stream):
+        yield
+    event = torch.cuda.Event()
+    event.record(reports.stream)
+    reports.event_for = (metadata, event)
+
+
+def _on_cuda(kv_caches: Any) -> bool:
+    first = next(iter((kv_caches or {}).values()), None)
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return bool(getattr(first, "is_cuda", False))
+
+
+def _request_argument(request: Any, *args: Any, **kwargs: Any) -> Any:
+    return request
+
+
+WRAPPERS = {
+    "DecodeBenchConnector.get_num_new_matched_tokens": answer_async,
+    "DecodeBenchConnector.build_connector_meta": hand_over_arrivals,
+    "DecodeBenchConnectorScheduler.request_finished": drop_in_flight,
+    "DecodeBenchConnector.get_finished": report_arrivals,
+}
+"""The attributes this part wraps, by dotted path in the connector module."""
