@@ -39,7 +39,7 @@ from vllm_kvfill_patch.fidelity.stats import (
     paired_ratio,
     pooled_ratio,
 )
-from vllm_kvfill_patch.fidelity.wire import FILL_BUCKETS, fill_bucket
+from vllm_kvfill_patch.fidelity.wire import FILL_BUCKETS, Setting, fill_bucket
 
 
 def synthetic_legs(tpot: list[float], itl: list[float], requests: int = 10) -> list:
@@ -254,9 +254,16 @@ def test_the_default_is_quick_and_thorough_is_one_flag():
     assert quick.main.waves == -(-QUICK.steps_per_run // 63)
     assert [quick.main.leg_prompts(c) for c in (1, 8)] == [[2] * 4, [16] * 4]
     assert Plan.of(parse(["--rounds", "3", "--thorough"])).rounds == 3
-    # One connector server for upstream, the package and the ideal; real
-    # prefill apart; the refill pair only when asked.
-    assert [m.name for m in quick.main.modes] == ["upstream", "package", "ideal"]
+    # One connector server for upstream, the package (without and with the
+    # link model) and the ideal; real prefill apart; the refill pair only
+    # when asked. The link is the real node's, known once it is measured.
+    assert [m.name for m in quick.main.modes] == [
+        "upstream",
+        "package",
+        "package+link",
+        "ideal",
+    ]
+    assert [m.setting.link for m in quick.main.modes if m.setting] == [None] * 4
     assert quick.prefill is not None and quick.prefill.modes[0].setting is None
     refill = Plan.of(parse(["--refill"]))
     assert [m.name for m in refill.main.modes][-2:] == [
@@ -266,7 +273,23 @@ def test_the_default_is_quick_and_thorough_is_one_flag():
     # The embedded model preempts in a case of its own; a user's model only
     # when asked.
     assert quick.preemption is not None and quick.preemption.legs == 4
+    assert "package+link" not in [m.name for m in quick.preemption.modes]
     assert Plan.of(parse(["--model", "m"])).preemption is None
+
+
+def test_the_link_mode_crosses_the_link_given_or_fitted_to_the_node():
+    given = Plan.of(parse(["--link", "50,0.25"]))
+    (linked,) = [m for m in given.main.modes if m.linked]
+    assert linked.setting.link == (50.0, 0.25)
+    assert linked.setting.encoded() == "package=1,writes=1,refill=0,link=50.0:0.25"
+    assert Setting.decoded(linked.setting.encoded()) == linked.setting
+    assert Setting.decoded("package=1,writes=1,refill=0,link=7.5:").link == (7.5, None)
+    unlinked = [m for m in given.main.modes if not m.linked and m.setting]
+    assert all(m.setting.link is None for m in unlinked)
+    with pytest.raises(SystemExit):  # no node to fit it to, none given
+        parse(["--modes", "package", "package+link", "ideal"])
+    with pytest.raises(SystemExit):
+        parse(["--link", "-1,2"])
 
 
 def test_the_modes_take_turns_leg_by_leg_rotated():

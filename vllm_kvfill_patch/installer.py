@@ -263,6 +263,20 @@ def link_opted_in(model: LinkModel) -> None:
             )
 
 
+def link_opted_out() -> None:
+    """No link model from now on (the fidelity tool's modes without one):
+    the status says so; the part's wrappers pass calls through where no
+    connector has a link. Never raises."""
+    with _installer.lock:
+        _installer.link_model = None
+        applied = _installer.applied
+        if applied is None or LINK not in applied.parts:
+            return
+        _installer.applied = _without_link(applied)
+        if _installer.wanted and _installer.status.decision is Decision.APPLIED:
+            _record(_installer.applied)
+
+
 def register_on_import() -> None:
     """What importing the package does: register the hook now. With the kill
     switch set, the status says so without a log line (no vLLM version to

@@ -206,6 +206,31 @@ class Run:
             round_ += 1
         self.say(f"settle: {round_ - first} more rounds")
 
+    def link_to_node(self, plan: Plan) -> Plan:
+        """The plan, its linked modes crossing the link fitted to the real
+        node's transfers, where ``--link`` did not set one; without a
+        transfer measured, they do not run."""
+        linked = [mode for mode in plan.main.modes if mode.linked]
+        if not linked or self.args.link:
+            return plan
+        node = next(s for s in self.servers if isinstance(s, DecodeNode))
+        fitted = node.fitted_link()
+        if fitted is None:
+            for mode in linked:
+                for concurrency in plan.main.concurrencies:
+                    key = Key(plan.main.name, concurrency, mode.name)
+                    self.measurer.cells.setdefault(
+                        key, Cell()
+                    ).error = "no link model: the real node measured no transfer"
+            return plan
+        latency, gbps = fitted
+        self.say(
+            f"package+link: latency {latency:g} ms"
+            + (f", {gbps:g} Gb/s per rank" if gbps else ", no bandwidth limit")
+            + f", fitted to the real node's transfers ({node.name})"
+        )
+        return plan.with_link(fitted)
+
     def values(self) -> str:
         """The fill's values against real prefill's, step by step in one
         engine (`fidelity.values`, embedded model): its table, or why none."""
@@ -247,6 +272,7 @@ class Run:
             self.measure("prefill", plan.prefill, plan.prefill_rounds)
         if plan.node is not None:
             self.measure("decode-node", plan.node, plan.rounds)
+            plan = self.link_to_node(plan)
         self.measure("connector", plan.main, plan.rounds, plan.settle_minutes)
         if plan.preemption is not None:
             self.measure("preemption", plan.preemption, plan.rounds)

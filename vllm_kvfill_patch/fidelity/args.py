@@ -45,7 +45,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add_workload(parser.add_argument_group("what is measured"))
     add_length(parser.add_argument_group("how long"))
     add_extras(parser.add_argument_group("more"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if "package+link" in args.modes and "decode-node" not in args.modes:
+        if args.link is None:
+            parser.error(
+                "the package+link mode takes its link from the decode-node mode's "
+                "transfers: add decode-node to --modes, or give --link"
+            )
+    return args
+
+
+def link_argument(word: str) -> tuple[float, float | None]:
+    """``LATENCY_MS,GBPS`` (GBPS empty: no bandwidth limit)."""
+    latency, _, gbps = word.partition(",")
+    try:
+        link = (float(latency), float(gbps) if gbps else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not LATENCY_MS,GBPS: {word!r}") from None
+    if link[0] < 0 or (link[1] is not None and link[1] <= 0):
+        raise argparse.ArgumentTypeError(f"latency >= 0 and Gb/s > 0: {word!r}")
+    return link
 
 
 def add_serving(group: argparse._ArgumentGroup) -> None:
@@ -83,6 +102,12 @@ def add_workload(group: argparse._ArgumentGroup) -> None:
         default=[m.name for m in DEFAULT_MODES],
         help="prefill: real prefill, its own server; the rest: one connector "
         "server, switched between legs",
+    )  # fmt: skip
+    group.add_argument(
+        "--link", type=link_argument, metavar="LATENCY_MS,GBPS",
+        help="the package+link mode's link model (transfer_latency_ms, "
+        "transfer_gbps per rank; GBPS empty: no limit); default: fitted to "
+        "the decode-node mode's measured transfers",
     )  # fmt: skip
     group.add_argument(
         "--refill", action="store_true",

@@ -161,7 +161,7 @@ class Measurer:
                 figures = run(server.client_url, result)
         finally:
             self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
-        server.check(leg.prompts)
+        server.check(leg.prompts, leg.concurrency)
         after = server.counters()
         counts = {
             key: counted(after[key], before[key], -1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_kvfill_patch.fidelity.wire import Setting
 
@@ -42,6 +42,10 @@ class Mode:
     prefill, or the real decode node."""
     reference: str | None
     """The mode it is held to; None for a reference itself."""
+    linked: bool = False
+    """Its KV crosses the package's link model, set before its legs from
+    what the real node's transfers measured (`node.fitted_link`), or from
+    ``--link``."""
 
 
 PREFILL = Mode("prefill", "real prefill, no connector", None, "ideal")
@@ -56,6 +60,13 @@ UPSTREAM = Mode(
 )
 PACKAGE = Mode(
     "package", "the connector with this package", Setting(True, True, False), "ideal"
+)
+LINKED = Mode(
+    "package+link",
+    "the package, each prompt's KV over a link modelled on the real node's",
+    Setting(True, True, False),
+    "ideal",
+    linked=True,
 )
 IDEAL = Mode(
     "ideal",
@@ -76,11 +87,22 @@ IDEAL_REFILL = Mode(
     None,
 )
 MODES = {
-    m.name: m for m in (PREFILL, NODE, UPSTREAM, PACKAGE, IDEAL, REFILL, IDEAL_REFILL)
+    m.name: m
+    for m in (PREFILL, NODE, UPSTREAM, PACKAGE, LINKED, IDEAL, REFILL, IDEAL_REFILL)
 }
 """Every mode, in the table's order."""
-DEFAULT_MODES = (PREFILL, NODE, UPSTREAM, PACKAGE, IDEAL)
+DEFAULT_MODES = (PREFILL, NODE, UPSTREAM, PACKAGE, LINKED, IDEAL)
 REFILL_PAIR = (REFILL, IDEAL_REFILL)
+
+
+def with_link(modes: tuple[Mode, ...], link: tuple[float, float | None]) -> tuple:
+    """`modes`, the linked ones set to cross `link` (latency ms, Gb/s)."""
+    return tuple(
+        replace(mode, setting=replace(mode.setting, link=link))
+        if mode.linked and mode.setting is not None
+        else mode
+        for mode in modes
+    )
 
 
 def serve_arguments(extra_config: dict) -> list[str]:

@@ -116,8 +116,8 @@ class DecodeNode(Server):
     them."""
 
     prefill: Server | None = None
-    received: list[Transfers] = field(default_factory=list)
-    """What each leg's requests received through NIXL."""
+    received: dict[int, list[Transfers]] = field(default_factory=dict)
+    """What each leg's requests received through NIXL, by concurrency."""
     before: tuple[Transfers, int] | None = None
 
     @property
@@ -210,10 +210,23 @@ class DecodeNode(Server):
             f"and the prefill server's engine side at niceness {SPINNING_NICENESS}"
         )
 
-    def transfers(self) -> Transfers | None:
+    def transfers(self, concurrency: int | None = None) -> Transfers | None:
+        legs = (
+            [leg for legs in self.received.values() for leg in legs]
+            if concurrency is None
+            else self.received.get(concurrency, [])
+        )
+        return functools.reduce(Transfers.plus, legs) if legs else None
+
+    def fitted_link(self) -> tuple[float, float | None] | None:
+        """The link model (latency ms, Gb/s) the package+link mode crosses:
+        what a transfer took at the lowest concurrency, where it had the
+        link to itself (p50), as the latency; None without a transfer."""
         if not self.received:
             return None
-        return functools.reduce(Transfers.plus, self.received)
+        alone = self.transfers(min(self.received))
+        p50 = alone.quantile(0.5) if alone else None
+        return None if p50 is None else (round(p50 * 1000, 1), None)
 
     def prepare(self, bench: Callable[[str, Path], dict], result: Path) -> bool:
         """The leg's prompts prefilled ahead through the proxy, by the same
@@ -228,14 +241,14 @@ class DecodeNode(Server):
         self.before = (read_transfers(metrics_page(self.base_url)), inline)
         return True
 
-    def check(self, requests: int) -> None:
+    def check(self, requests: int, concurrency: int) -> None:
         """Raises RuntimeError where the leg's requests were not decoded
         from KV that arrived through NIXL, or were prefilled while decode
         was measured."""
         assert self.proxy is not None and self.before is not None
         transfers, inline = self.before
         received = read_transfers(metrics_page(self.base_url)).minus(transfers)
-        self.received.append(received)
+        self.received.setdefault(concurrency, []).append(received)
         if problem := received.problem(requests):
             raise RuntimeError(f"{self.name}: {problem}")
         late = self.proxy.ask("/stats")["inline"] - inline

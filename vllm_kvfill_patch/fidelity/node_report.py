@@ -27,6 +27,10 @@ WHY_TTFT = (
     "an emulated mode's KV arrives inside the step that admits the request, "
     "while the node reads it from prefill over NIXL before scheduling it"
 )
+WHY_LINKED = (
+    "a linked mode's request waits for its KV on the modelled link as the "
+    "node's waits on NIXL"
+)
 
 
 def node_rows(found: list[Row]) -> dict[tuple[str, int], Row]:
@@ -72,24 +76,24 @@ def ttft_lines(found: list[Row], transfer_p50_ms: float | None) -> list[str]:
         else ""
     )
     for (case, concurrency), node in node_rows(found).items():
+        emulated = [
+            row
+            for row in found
+            if row.mode.setting is not None
+            and (row.key.case, row.key.concurrency) == (case, concurrency)
+        ]
         said = []
-        for row in found:
-            if row is node or (row.key.case, row.key.concurrency) != (
-                case,
-                concurrency,
-            ):
-                continue
-            if row.mode.setting is None:
-                continue
+        for row in emulated:
             ratio = against(row.cell, node.cell, "median_ttft_ms")
             said.append(
                 f"{row.key.mode} {row.figures['median_ttft_ms']:.1f} ms"
                 + (f" ({ratio.text()})" if ratio else "")
             )
         if said:
+            linked = any(row.mode.linked for row in emulated)
             lines.append(
                 f"Decode TTFT at C={concurrency}: the real node "
                 f"{node.figures['median_ttft_ms']:.1f} ms; {', '.join(said)}: "
-                f"{WHY_TTFT}{transfer}."
+                f"{WHY_TTFT}{transfer}" + (f"; {WHY_LINKED}." if linked else ".")
             )
     return lines

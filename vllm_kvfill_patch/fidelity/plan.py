@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_kvfill_patch.fidelity.modes import (
     MODES,
@@ -20,6 +20,7 @@ from vllm_kvfill_patch.fidelity.modes import (
     PREFILL,
     REFILL_PAIR,
     Mode,
+    with_link,
 )
 
 MIN_WAVES = 4
@@ -80,6 +81,15 @@ class Plan:
     settle_minutes: float
     value_cycles: int
 
+    def with_link(self, link: tuple[float, float | None]) -> Plan:
+        """The plan, its linked modes crossing `link` (latency ms, Gb/s)."""
+        return replace(
+            self,
+            main=replace(self.main, modes=with_link(self.main.modes, link)),
+            preemption=self.preemption
+            and replace(self.preemption, modes=with_link(self.preemption.modes, link)),
+        )
+
     @classmethod
     def of(cls, args: argparse.Namespace) -> Plan:
         profile = THOROUGH if args.thorough else QUICK
@@ -97,16 +107,18 @@ class Plan:
             else None
             for mode in (PREFILL, NODE)
         )
-        return cls(
+        unlinked = tuple(mode for mode in switched if not mode.linked)
+        plan = cls(
             prefill=prefill,
             node=node,
             main=main,
-            preemption=preemption_case(args, switched),
+            preemption=preemption_case(args, unlinked),
             rounds=int(pick(args.rounds, profile.rounds)),
             prefill_rounds=args.prefill_rounds,
             settle_minutes=pick(args.settle_minutes, profile.settle_minutes),
             value_cycles=int(pick(args.value_cycles, profile.value_cycles)),
         )
+        return plan.with_link(args.link) if args.link else plan
 
 
 def pick(given: int | float | None, default: int | float) -> int | float:

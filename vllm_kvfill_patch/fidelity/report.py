@@ -26,7 +26,14 @@ from vllm_kvfill_patch.fidelity.attribution import (
     steps_of,
 )
 from vllm_kvfill_patch.fidelity.client import PERCENTILE_KEY, combined, request_seconds
-from vllm_kvfill_patch.fidelity.modes import MODES, PACKAGE, REFILL, UPSTREAM, Mode
+from vllm_kvfill_patch.fidelity.modes import (
+    LINKED,
+    MODES,
+    PACKAGE,
+    REFILL,
+    UPSTREAM,
+    Mode,
+)
 from vllm_kvfill_patch.fidelity.stats import BAR, Bar, Ratio, Standing, pooled_ratio
 from vllm_kvfill_patch.fidelity.wire import FILL_BUCKETS, counted, fill_bucket_bound
 
@@ -229,7 +236,7 @@ def rows(cells: dict[Key, Cell]) -> tuple[list[Row], dict[Key, str]]:
     return found, failed
 
 
-VERDICT_ORDER = (PACKAGE, UPSTREAM, REFILL)
+VERDICT_ORDER = (PACKAGE, LINKED, UPSTREAM, REFILL)
 """The connector modes the verdict speaks of, the package's first (real
 prefill, one round, is in the table)."""
 

@@ -170,18 +170,18 @@ class Server:
         """The `vllm serve` processes it started, by name."""
         return [self.name]
 
-    def transfers(self) -> Transfers | None:
-        """What it received through NIXL: None here (a server that takes no
-        KV from another)."""
+    def transfers(self, concurrency: int | None = None) -> Transfers | None:
+        """What it received through NIXL (at `concurrency`, else in all):
+        None here (a server that takes no KV from another)."""
         return None
 
     def cores_said(self, placement: Placement) -> str:
         """Where its processes run, in words."""
         return placement.describe()
 
-    def check(self, requests: int) -> None:
-        """Raises where a leg of `requests` requests was not served as the
-        mode says: nothing to check here (`node.DecodeNode` checks its KV
+    def check(self, requests: int, concurrency: int) -> None:
+        """Raises where a leg of `requests` requests at `concurrency` was not
+        served as the mode says: nothing to check here (`node.DecodeNode` checks its KV
         arrived through NIXL)."""
 
     def start(self) -> None:
@@ -398,6 +398,9 @@ def mismatch(setting: Setting, state: dict) -> str | None:
     refill = setting.refill and setting.package
     if any(found is not refill for found in state["refill"]):
         problems.append(f"refill {state['refill']}, not {refill}")
+    link = list(setting.link) if setting.link and setting.package else None
+    if any(found != link for found in state.get("link", [])):
+        problems.append(f"link {state['link']}, not {link}")
     return "; ".join(problems) or None
 
 

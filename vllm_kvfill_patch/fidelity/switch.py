@@ -4,10 +4,11 @@ The probe (`probe`) receives a mode's `wire.Setting` on its control channel
 between two legs, while no request runs, and :func:`to` puts it in force:
 this package applied or reverted (`apply()` and `revert()` never raise and
 may be called between steps), the worker's write on or off
-(`connector.SwitchedDecodeBenchConnector`), the refill after preemption on
-or off on each scheduler-side connector. :func:`in_force` reads back what
-holds, for the tool to check in every process that has the connector (a
-process vLLM starts for something else, a resource tracker, is left alone).
+(`connector.SwitchedDecodeBenchConnector`), the refill after preemption and
+the link model on or off on each scheduler-side connector. :func:`in_force`
+reads back what holds, for the tool to check in every process that has the
+connector (a process vLLM starts for something else, a resource tracker, is
+left alone).
 """
 
 from __future__ import annotations
@@ -48,36 +49,53 @@ def to(setting: Setting) -> None:
     global _writes
     import vllm_kvfill_patch
     from vllm_kvfill_patch import installer
+    from vllm_kvfill_patch.link import LINK_ATTR, Link, LinkModel, bytes_per_block
     from vllm_kvfill_patch.options import REFILL_ATTR
 
+    model = LinkModel(*setting.link) if setting.link and setting.package else None
     with _lock:
+        if model is None:
+            installer.link_opted_out()
         if setting.package:
             vllm_kvfill_patch.apply()
         else:
             vllm_kvfill_patch.revert()
         _writes = setting.writes
-        for scheduler in _schedulers():
+        for connector, scheduler in _scheduler_sides():
             setattr(scheduler, REFILL_ATTR, setting.refill)
-        if setting.refill and setting.package and _schedulers():
+            link = model and Link(model, bytes_per_block(connector._kv_cache_config))
+            setattr(scheduler, LINK_ATTR, link)
+        if setting.refill and setting.package and _scheduler_sides():
             installer.refill_opted_in(REFILL_SOURCE)
+        if model is not None and _connectors:
+            installer.link_opted_in(model)
 
 
 def in_force() -> InForce:
-    """This process's decision, write and refill now (refill: one entry per
-    scheduler-side connector; connectors: how many of each role)."""
+    """This process's decision, write, refill and link now (refill and link:
+    one entry per scheduler-side connector; connectors: how many of each
+    role)."""
     import vllm_kvfill_patch
+    from vllm_kvfill_patch.link import link_of
     from vllm_kvfill_patch.options import REFILL_ATTR
 
     with _lock:
         roles = [getattr(getattr(c, "role", None), "name", "?") for c in _connectors]
+        schedulers = [scheduler for _, scheduler in _scheduler_sides()]
+        links = [link_of(scheduler) for scheduler in schedulers]
         return {
             "decision": vllm_kvfill_patch.status().decision.value,
             "writes": _writes,
-            "refill": [getattr(s, REFILL_ATTR, None) for s in _schedulers()],
+            "refill": [getattr(s, REFILL_ATTR, None) for s in schedulers],
+            "link": [
+                [link.model.latency_ms, link.model.gbps] if link else None
+                for link in links
+            ],
             "connectors": sorted(roles),
         }
 
 
-def _schedulers() -> list[Any]:
-    found = (getattr(c, "connector_scheduler", None) for c in _connectors)
-    return [scheduler for scheduler in found if scheduler is not None]
+def _scheduler_sides() -> list[tuple[Any, Any]]:
+    """(connector, its scheduler side) of each scheduler-side connector."""
+    found = ((c, getattr(c, "connector_scheduler", None)) for c in _connectors)
+    return [(c, scheduler) for c, scheduler in found if scheduler is not None]

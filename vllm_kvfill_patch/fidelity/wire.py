@@ -43,6 +43,10 @@ class Setting:
     refill: bool
     """A preempted request is filled again (a decode node with an offload
     tier) instead of recomputed."""
+    link: tuple[float, float | None] | None = None
+    """The link model in force with the package: (latency in ms, Gb/s per
+    rank or None for no limit); None: the KV arrives as the connector
+    delivers it, in the step that admits the request."""
 
     @property
     def decision(self) -> str:
@@ -51,12 +55,25 @@ class Setting:
 
     def encoded(self) -> str:
         """One word, for the control channel."""
-        return ",".join(f"{k}={int(v)}" for k, v in vars(self).items())
+        flags = ",".join(f"{key}={int(getattr(self, key))}" for key in FLAGS)
+        if self.link is None:
+            return flags
+        latency, gbps = self.link
+        return f"{flags},link={latency!r}:{'' if gbps is None else repr(gbps)}"
 
     @classmethod
     def decoded(cls, word: str) -> Setting:
         fields = dict(item.split("=") for item in word.split(","))
-        return cls(**{key: value == "1" for key, value in fields.items()})
+        link = None
+        if (link_word := fields.pop("link", None)) is not None:
+            latency, _, gbps = link_word.partition(":")
+            link = (float(latency), float(gbps) if gbps else None)
+        flags = {key: value == "1" for key, value in fields.items()}
+        return cls(**flags, link=link)
+
+
+FLAGS = ("package", "writes", "refill")
+"""A setting's switches, each on or off."""
 
 
 def question_line(number: int, setting: Setting | None = None) -> str:
@@ -78,6 +95,8 @@ class InForce(TypedDict):
     decision: str  # this package's (`Setting.decision`)
     writes: bool
     refill: list[bool | None]  # one per scheduler-side connector
+    # one per scheduler-side connector: [latency ms, Gb/s or None], or None
+    link: list[list | None]
     connectors: list[str]  # each connector's role: SCHEDULER, WORKER
 
 
