@@ -6,6 +6,7 @@ runs against real servers: tests/engine/test_fidelity.py."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import gc
 import json
 import os
@@ -121,6 +122,15 @@ def test_a_setting_crosses_the_control_channel_and_each_process_is_checked():
         "refill [True], not False"
     )
     assert mismatch(ideal, {"skipped": "no connector in this process"}) is None
+    linked = dataclasses.replace(PACKAGE.setting, link=(50.0, None))
+    state = {"decision": "applied", "writes": True, "refill": [False]}
+    assert mismatch(linked, state | {"link": [[50.0, None]]}) is None
+    assert mismatch(linked, state | {"link": [None]}) == (
+        "link [None], not [50.0, None]"
+    )
+    assert mismatch(PACKAGE.setting, state | {"link": [[50.0, None]]}) == (
+        "link [[50.0, None]], not None"
+    )
 
 
 def test_a_probes_answer_holds_every_counter_the_tool_reads(tmp_path):

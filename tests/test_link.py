@@ -186,7 +186,14 @@ def test_a_request_waits_for_its_kv_and_runs_once_every_rank_reported(node_for):
     import vllm_kvfill_patch
 
     node = node_for(transfer_latency_ms=200)
-    assert vllm_kvfill_patch.status().parts[-1] == "link"
+    status = vllm_kvfill_patch.status()
+    assert status.parts[-1] == "link"
+    assert status.semantics.endswith(
+        "; its KV over a modelled link (latency 200 ms, no bandwidth limit)"
+    )
+    assert status.semantics_why.endswith(
+        "; transfer_latency_ms / transfer_gbps in the connector's options"
+    )
     request = node.add("r")
     before = snapshot(node)
     admitted = node.step()
@@ -354,3 +361,36 @@ def test_revert_takes_the_link_out_down_to_upstreams_own_methods(node_for):
         method = connector.__dict__[name]
         assert wrapt.unwrapped(method) is method
     assert vllm_kvfill_patch.apply().parts[-1] == "link"
+
+
+def test_a_transfer_carries_what_the_real_nixl_node_received():
+    """The fidelity tool's model, as vLLM plans its cache: 2 attention layers
+    (256-token blocks, one KV head of 64, bf16) and 6 gated-delta-net layers
+    in 3 groups (conv state (3, 384) in bf16, recurrent (2, 64, 64) in
+    float32, each page padded to the attention page). For a 512-token prompt
+    the real NIXL node received 472,576 bytes (docs/benchmark.md): 2 blocks
+    of each attention layer, each state without its padding."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from vllm_kvfill_patch.link import Link, LinkModel, bytes_per_block
+
+    attention = FullAttentionSpec(
+        block_size=256, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+    )
+    states = MambaSpec(
+        block_size=256,
+        shapes=((3, 384), (2, 64, 64)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=attention.page_size_bytes,
+    )
+    groups = [KVCacheGroupSpec(["l3", "l7"], attention)] + [
+        KVCacheGroupSpec([f"l{i}", f"l{i + 4}"], states) for i in range(3)
+    ]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    link = Link(LinkModel(), bytes_per_block(config))
+    assert link.bytes_of(([1, 2], [3], [4], [5])) == 472_576

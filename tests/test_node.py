@@ -10,9 +10,15 @@ import json
 import pytest
 
 from tests.test_report import cell
-from vllm_kvfill_patch.fidelity.modes import IDEAL, NODE, PACKAGE
-from vllm_kvfill_patch.fidelity.node import bound_cores, transfer_config
-from vllm_kvfill_patch.fidelity.node_report import HEADINGS, node_table, ttft_lines
+from vllm_kvfill_patch.fidelity.modes import IDEAL, LINKED, NODE, PACKAGE
+from vllm_kvfill_patch.fidelity.node import DecodeNode, bound_cores, transfer_config
+from vllm_kvfill_patch.fidelity.node_report import (
+    HEADINGS,
+    WHY_LINKED,
+    fitted_link,
+    node_table,
+    ttft_lines,
+)
 from vllm_kvfill_patch.fidelity.report import Key, rows
 from vllm_kvfill_patch.fidelity.transfers import histogram_quantile, read_transfers
 
@@ -115,6 +121,41 @@ def test_every_mode_is_held_to_the_node_and_the_ttft_gap_is_said():
     assert said[0].startswith("Decode TTFT at C=8: the real node 100.0 ms;")
     assert "package 50.0 ms (-50.0%" in said[0]
     assert "over NIXL" in said[0] and "11.0 ms a transfer" in said[0]
+
+
+def test_the_transfers_are_kept_per_concurrency(tmp_path):
+    node = DecodeNode("decode-node", [], {}, tmp_path)
+    assert node.transfers() is None and node.transfers(1) is None
+    node.received = {8: [read_transfers(PAGE)], 1: [read_transfers(PAGE)] * 2}
+    assert node.transfers(1).count == 16 and node.transfers().count == 24
+
+
+def test_the_link_is_the_nodes_wait_for_kv_at_its_lowest_concurrency():
+    cells = node_cells()
+    assert fitted_link(cells) is None  # no wait recorded
+    waits = {1: [0.030, 0.040, 0.050], 8: [0.5, 0.6]}
+    for concurrency, measured in waits.items():
+        node = cell([1, 1], [1, 1])
+        node.legs[0]["kv_waits"] = measured
+        cells[Key("main", concurrency, NODE.name)] = node
+    assert fitted_link(cells) == (40.0, None)
+    found, _ = rows(cells)  # type: ignore[arg-type]
+    line = next(
+        line
+        for line in node_table(found).splitlines()
+        if line.startswith(f"| {NODE.name} | 1 ")
+    )
+    assert line.split(" | ")[-2] == "40.0"  # KV wait p50, then the step
+
+
+def test_a_linked_modes_ttft_gap_says_it_waits_on_the_link():
+    cells = node_cells()
+    cells[Key("main", 8, LINKED.name)] = cells[Key("main", 8, NODE.name)]
+    found, _ = rows(cells)  # type: ignore[arg-type]
+    (said,) = ttft_lines(found, 11.0)
+    assert "package+link 100.0 ms (+0.0%" in said
+    assert said.endswith(f"; {WHY_LINKED}.")
+    assert WHY_LINKED not in ttft_lines(rows(node_cells())[0], 11.0)[0]
 
 
 def test_without_a_node_there_is_no_table():

@@ -31,7 +31,8 @@ stored as uint8; each with a constant and a random fill. Per path:
   step: the step returns long before it ends), in this warm process and in
   a cold one; allocator calls per warm step (``memory_stats``); a CUDA graph
   that reads a block, replayed after a fill, sees the fill; a fill asked for
-  while a graph is being captured is not issued.
+  while a graph is being captured is not issued; the link model's arrivals
+  filled on a stream of their own and reported once their fill is done.
 
 Then the step's time against a memset of the bytes it writes, constant and
 random, at 1, 16, 256 and 1024 requests of a 48-layer hybrid with
@@ -717,12 +718,52 @@ def graphs(device: torch.device) -> Verdict:
     return Verdict(ok, said)
 
 
+def link_arrivals(device: torch.device) -> Verdict:
+    """The link model's arrivals (``link``): filled on the worker's own
+    stream after the work queued before them, reported from ``get_finished``
+    only once that fill is done, and once. Behind a device sleep on the
+    current stream nothing is reported and the host does not wait; after
+    it, the step's ids are, and then never again."""
+    link = importlib.import_module("vllm_kvfill_patch.link")
+    rig = PATHS["list states + attention, shared pool"].build(
+        buffer_maker(device, 2), 64
+    )
+    worker, layout = workers_for(rig, False)[0]
+    metadata = SimpleNamespace(**{link.ARRIVED_ATTR: ("r0", "r1")})
+    connector = SimpleNamespace(connector_worker=worker, _connector_metadata=metadata)
+
+    def reported() -> set:
+        _, recving = link.report_arrivals(
+            lambda _ids: (None, None), connector, (set(),), {}
+        )
+        return set(recving or ())
+
+    torch.cuda._sleep(sleep_cycles(device))
+    start = time.perf_counter()
+    with link.arrival_stream(worker, metadata):
+        worker_step().fill_groups(
+            worker, layout, dict(enumerate(step_block_ids(rig, 1, 5)[0]))
+        )
+    early = reported()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    done, again = reported(), reported()
+    ok = not early and done == {"r0", "r1"} and not again and host < SLEEP_SECONDS / 10
+    said = (
+        f"{'ok' if ok else 'WRONG'} (behind a {SLEEP_SECONDS * 1e3:.0f} ms device "
+        f"sleep: reported {sorted(early)} in {host * 1e3:.1f} ms of host time; after "
+        f"it {sorted(done)}, then {sorted(again)})"
+    )
+    return Verdict(ok, said)
+
+
 def cuda_checks(device: torch.device) -> tuple[bool, list[str]]:
     checks: dict[str, Callable[[], Verdict]] = {
         "host not blocked, cold process": cold_host_blocking,
         "host not blocked, warm process": lambda: host_blocking(device),
         "allocator calls per step": lambda: allocations(device),
         "CUDA graphs": lambda: graphs(device),
+        "link: reported after its fill, once": lambda: link_arrivals(device),
     }
     ok, rows = True, []
     for name, check in checks.items():

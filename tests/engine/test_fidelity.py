@@ -23,7 +23,13 @@ import pytest
 from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
-from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, NODE, PACKAGE, REFILL_PAIR
+from vllm_kvfill_patch.fidelity.modes import (
+    DEFAULT_MODES,
+    LINKED,
+    NODE,
+    PACKAGE,
+    REFILL_PAIR,
+)
 from vllm_kvfill_patch.fidelity.serve import Server
 from vllm_kvfill_patch.fidelity.wire import DIR_ENV
 
@@ -44,6 +50,9 @@ MODES = [*EMULATED, *(mode.name for mode in REFILL_PAIR)]
 SWITCHED = MODES[1:]
 """The connector modes, switched on one server (all but real prefill)."""
 REFILLED = [mode.name for mode in REFILL_PAIR]
+LINK_MS = 150
+"""The package+link mode's latency (``--link``; without the node to fit it
+to): longer than any step here."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +64,7 @@ def run(tmp_path_factory) -> dict:
         "--prompts-per-concurrency", str(PROMPTS // CONCURRENCY),
         "--output-len", str(OUTPUT), "--rounds", "1", "--legs", str(LEGS),
         "--count-subnormals", "--value-cycles", str(VALUE_CYCLES), "--refill",
-        "--modes", *EMULATED,
+        "--modes", *EMULATED, "--link", f"{LINK_MS},",
         "--preemption-blocks", "0",
         "--serve-args", f"--num-gpu-blocks-override {PREEMPTING_BLOCKS}",
         "--output-dir", str(output),
@@ -68,6 +77,15 @@ def run(tmp_path_factory) -> dict:
     errors = {mode: cell["error"] for mode, cell in cells.items() if cell["error"]}
     assert not errors, f"{errors}\n{done.stdout[-5000:]}"
     return {"stdout": done.stdout, "output": output, "summary": summary, **cells}
+
+
+def test_the_linked_modes_requests_each_waited_the_links_latency(run):
+    """Every request of package+link got its first token at least the
+    link's latency after it was sent; the package's, without it, sooner."""
+    linked = [t for leg in leg_results(run, LINKED.name) for t in leg["ttfts"]]
+    unlinked = [t for leg in leg_results(run, PACKAGE.name) for t in leg["ttfts"]]
+    assert len(linked) == PROMPTS and min(linked) >= LINK_MS / 1000
+    assert sorted(unlinked)[len(unlinked) // 2] < LINK_MS / 1000
 
 
 def leg_results(run: dict, mode: str) -> list[dict]:

@@ -41,6 +41,7 @@ from vllm_kvfill_patch.fidelity.node import (
     DecodeNode,
     transfer_config,
 )
+from vllm_kvfill_patch.fidelity.node_report import fitted_link
 from vllm_kvfill_patch.fidelity.plan import Case, Plan
 from vllm_kvfill_patch.fidelity.report import Cell, Key, rows
 from vllm_kvfill_patch.fidelity.serve import Server, first_error, free_port
@@ -208,26 +209,23 @@ class Run:
 
     def link_to_node(self, plan: Plan) -> Plan:
         """The plan, its linked modes crossing the link fitted to the real
-        node's transfers, where ``--link`` did not set one; without a
-        transfer measured, they do not run."""
+        node's waits for KV (`node_report.fitted_link`), where ``--link`` did
+        not set one; without a wait measured, they do not run."""
         linked = [mode for mode in plan.main.modes if mode.linked]
         if not linked or self.args.link:
             return plan
-        node = next(s for s in self.servers if isinstance(s, DecodeNode))
-        fitted = node.fitted_link()
+        fitted = fitted_link(self.measurer.cells)
         if fitted is None:
+            why = "no link model: the real node measured no wait for KV"
             for mode in linked:
                 for concurrency in plan.main.concurrencies:
                     key = Key(plan.main.name, concurrency, mode.name)
-                    self.measurer.cells.setdefault(
-                        key, Cell()
-                    ).error = "no link model: the real node measured no transfer"
+                    self.measurer.cells.setdefault(key, Cell()).error = why
             return plan
-        latency, gbps = fitted
         self.say(
-            f"package+link: latency {latency:g} ms"
-            + (f", {gbps:g} Gb/s per rank" if gbps else ", no bandwidth limit")
-            + f", fitted to the real node's transfers ({node.name})"
+            f"package+link: latency {fitted[0]:g} ms, no bandwidth limit: the real "
+            f"node's requests' wait for their KV at C={min(plan.main.concurrencies)} "
+            "(p50, admitted to scheduled)"
         )
         return plan.with_link(fitted)
 

@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls", "steps")
+SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls", "steps", "kv_waits")
 """The lists of a leg a cell keeps: vLLM's per-request lists (`combined` and
-the comparison with the ideal read them) and the worker's steps over the leg
-(`attribution`); the rest stay in vLLM's file."""
+the comparison with the ideal read them), the worker's steps over the leg
+(`attribution`) and its requests' waits for their KV (`node_report`); the
+rest stay in vLLM's file."""
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,16 @@ class Placement:
             return None
         return cls(workers, worker_cores, front_cores)
 
-    def apply(self, leader: int, niceness: int = LOWERED_NICENESS) -> list[int]:
+    def apply(
+        self,
+        leader: int,
+        niceness: int = LOWERED_NICENESS,
+        kept: frozenset[int] = frozenset(),
+    ) -> list[int]:
         """Moves every thread of the server's processes but its workers' to
-        `front_cores` and lowers all but the API server's to `niceness`;
-        again, threads started since are moved too. Returns the lowered
-        processes."""
+        `front_cores` and lowers all but the API server's and those `kept`
+        to `niceness`; again, threads started since are moved too. Returns
+        the lowered processes."""
         lowered = []
         for pid in _session_processes(leader):
             if pid in self.workers:
@@ -101,7 +106,7 @@ class Placement:
             for thread in _threads(pid):
                 with contextlib.suppress(OSError):  # a thread that ended
                     os.sched_setaffinity(thread, self.front_cores)
-                    if pid != leader:
+                    if pid != leader and thread not in kept:
                         os.setpriority(os.PRIO_PROCESS, thread, niceness)
             if pid != leader:
                 lowered.append(pid)

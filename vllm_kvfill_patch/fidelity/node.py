@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_kvfill_patch.fidelity import nixl_rest
 from vllm_kvfill_patch.fidelity.cores import (
     Placement,
     _session_processes,
@@ -31,13 +32,18 @@ from vllm_kvfill_patch.fidelity.cores import (
 from vllm_kvfill_patch.fidelity.serve import NOT_UP, Proxy, Server
 from vllm_kvfill_patch.fidelity.transfers import Transfers, read_transfers
 
+REST_US = 100
+"""Microseconds NIXL's progress thread rests between its polls (`nixl_rest`):
+small against a transfer of milliseconds, and a hundredth of a core."""
 NODE_ENV = {
     "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
     "UCX_TLS": "tcp,self",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    nixl_rest.REST_ENV: str(REST_US),
 }
-"""NIXL over UCX's TCP transport on loopback; the conv-state layout NIXL
-requires, which every mode of a run then uses (`LAYOUT_ENV`)."""
+"""NIXL over UCX's TCP transport on loopback, its progress thread resting
+between polls; the conv-state layout NIXL requires, which every mode of a
+run then uses (`LAYOUT_ENV`)."""
 LAYOUT_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 LEASE_SECONDS = 3600
 """How long prefill keeps a prompt's blocks for decode: longer than a leg."""
@@ -82,18 +88,21 @@ def worker_processes(leader: int) -> list[int]:
 STARTING_CHECK_SECONDS = 3.0
 """How often NIXL's threads are lowered while the pair starts."""
 SPINNING_NICENESS = 19
-"""NIXL's threads poll UCX without rest, and the prefill server's engine
-side spins after each of decode's notifications: on the cores the client
-and the decode server's engine side share, they run at the lowest priority,
-so that the engine core (`cores.LOWERED_NICENESS`) is not kept off its core
-by them."""
+"""The threads that spin: the prefill server's engine side and workers after
+each of decode's notifications, and the workers' other threads: on the
+cores the client and the decode server's engine side share, they run at the
+lowest priority, so that the engine core (`cores.LOWERED_NICENESS`) is not
+kept off its core by them. NIXL's progress threads rest instead of spinning
+(`nixl_rest`) and keep the worker's priority: the transfers wait on them."""
 
 
-def repin(worker: int, model_cores: list[int], front: frozenset[int]) -> None:
+def repin(
+    worker: int, model_cores: list[int], front: frozenset[int], resting: set[int]
+) -> None:
     """The worker's model thread back on the first core vLLM bound it to,
     one thread alone on each other bound core kept (OpenMP's team), and
-    every other thread (NIXL's and UCX's, which spin) on `front`, at
-    `SPINNING_NICENESS`."""
+    every other thread on `front`, at `SPINNING_NICENESS` but NIXL's
+    `resting` ones."""
     os.sched_setaffinity(worker, {model_cores[0]})
     kept = {model_cores[0]}
     for thread in _threads(worker):
@@ -106,7 +115,8 @@ def repin(worker: int, model_cores: list[int], front: frozenset[int]) -> None:
                 kept.add(core)
                 continue
             os.sched_setaffinity(thread, front)
-            os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
+            if thread not in resting:
+                os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
 
 
 @dataclass
@@ -153,16 +163,27 @@ class DecodeNode(Server):
         return None
 
     def lower_spinners(self) -> None:
-        """Every thread of both servers' workers but the model's own at
-        `SPINNING_NICENESS`."""
+        """Every thread of both servers' workers but the model's own and
+        NIXL's resting ones at `SPINNING_NICENESS`."""
+        resting = self.resting()
         for server in (self.pair, self):
             if server.process is None:
                 continue
             for worker in worker_processes(server.process.pid):
                 for thread in _threads(worker):
-                    if thread != worker:
+                    if thread != worker and thread not in resting:
                         with contextlib.suppress(OSError):  # a thread that ended
                             os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
+
+    def resting(self) -> set[int]:
+        """NIXL's progress threads in both servers' workers (`nixl_rest`)."""
+        return {
+            thread
+            for server in (self.pair, self)
+            if server.process is not None
+            for worker in worker_processes(server.process.pid)
+            for thread in nixl_rest.threads_of(server.probe_dir, worker)
+        }
 
     def alive(self) -> bool:
         return super().alive() and self.pair.alive()
@@ -184,14 +205,16 @@ class DecodeNode(Server):
             if not model or not front or not workers:
                 return None
             self.placement = Placement(workers, frozenset(model), front)
-        placement = self.placement
+        placement, resting = self.placement, self.resting()
         placement.apply(self.process.pid)
         for worker in placement.workers:
-            repin(worker, sorted(placement.worker_cores), placement.front_cores)
+            repin(
+                worker, sorted(placement.worker_cores), placement.front_cores, resting
+            )
         # The prefill server only serves reads and frees blocks while decode
-        # is measured: below the decode server's engine side.
+        # is measured: below the decode server's engine side, but for NIXL.
         Placement((), placement.worker_cores, placement.front_cores).apply(
-            self.pair.process.pid, SPINNING_NICENESS
+            self.pair.process.pid, SPINNING_NICENESS, frozenset(resting)
         )
         self.lower_spinners()
         if self.proxy is not None and self.proxy.process is not None:
@@ -206,8 +229,10 @@ class DecodeNode(Server):
         return (
             f"{placement.describe()}; the decode worker's model thread alone on "
             f"its cores; NIXL's threads, the prefill server and the proxy on "
-            f"{','.join(map(str, sorted(placement.front_cores)))}, NIXL's threads "
-            f"and the prefill server's engine side at niceness {SPINNING_NICENESS}"
+            f"{','.join(map(str, sorted(placement.front_cores)))}; NIXL's progress "
+            f"threads ({len(self.resting())}) resting {REST_US} us between polls "
+            f"at the worker's priority, the prefill server and the workers' other "
+            f"threads at niceness {SPINNING_NICENESS}"
         )
 
     def transfers(self, concurrency: int | None = None) -> Transfers | None:
@@ -217,16 +242,6 @@ class DecodeNode(Server):
             else self.received.get(concurrency, [])
         )
         return functools.reduce(Transfers.plus, legs) if legs else None
-
-    def fitted_link(self) -> tuple[float, float | None] | None:
-        """The link model (latency ms, Gb/s) the package+link mode crosses:
-        what a transfer took at the lowest concurrency, where it had the
-        link to itself (p50), as the latency; None without a transfer."""
-        if not self.received:
-            return None
-        alone = self.transfers(min(self.received))
-        p50 = alone.quantile(0.5) if alone else None
-        return None if p50 is None else (round(p50 * 1000, 1), None)
 
     def prepare(self, bench: Callable[[str, Path], dict], result: Path) -> bool:
         """The leg's prompts prefilled ahead through the proxy, by the same

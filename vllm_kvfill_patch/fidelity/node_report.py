@@ -1,14 +1,17 @@
 """Every mode against the real decode node: decode TTFT, TPOT p50 and ITL
 p99 with their 95% intervals, legs paired by prompts (same round and leg,
-same seed), and the worker's median step (how much of a gap is the model's
-step, and how much is around it); and in words how far each emulated
-mode's TTFT is from the node's, and why."""
+same seed), how long a request waited for its KV, and the worker's median
+step (how much of a gap is the model's step, and how much is around it);
+in words how far each emulated mode's TTFT is from the node's, and why; and
+the link the linked modes cross, fitted to the node's waits."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from vllm_kvfill_patch.fidelity.attribution import step_p50_ms, steps_of
 from vllm_kvfill_patch.fidelity.modes import NODE
-from vllm_kvfill_patch.fidelity.report import Row, against
+from vllm_kvfill_patch.fidelity.report import Cell, Key, Row, against
 from vllm_kvfill_patch.fidelity.stats import Ratio
 
 AGAINST_NODE = (
@@ -22,7 +25,11 @@ HEADINGS = (
     "mode",
     "C",
     *(h for _, name in AGAINST_NODE for h in (f"{name} ms", "vs node")),
+    "KV wait p50 ms",
+    "worker step p50 ms",
 )
+"""At most ten: the figures against the node, then how long a request waited
+for its KV (admitted to scheduled) and the worker's median step."""
 WHY_TTFT = (
     "an emulated mode's KV arrives inside the step that admits the request, "
     "while the node reads it from prefill over NIXL before scheduling it"
@@ -31,6 +38,26 @@ WHY_LINKED = (
     "a linked mode's request waits for its KV on the modelled link as the "
     "node's waits on NIXL"
 )
+
+
+def kv_wait_p50_ms(legs: list[dict]) -> float | None:
+    """How long a request of the legs waited for its KV, at the median, in
+    milliseconds (None where none waited: its KV arrived at admission)."""
+    waits = [wait for leg in legs for wait in leg.get("kv_waits", [])]
+    return float(np.median(waits)) * 1000 if waits else None
+
+
+def fitted_link(cells: dict[Key, Cell]) -> tuple[float, float | None] | None:
+    """The link model (latency ms, Gb/s) the linked modes cross: how long the
+    real node's requests waited for their KV at its lowest concurrency (the
+    median; admitted to scheduled, as the link model's latency runs), with
+    no bandwidth limit; None where the node measured none."""
+    measured = {key: cell for key, cell in cells.items() if key.mode == NODE.name}
+    if not measured:
+        return None
+    lowest = min(measured, key=lambda key: key.concurrency)
+    wait = kv_wait_p50_ms(measured[lowest].legs)
+    return None if wait is None else (round(wait, 1), None)
 
 
 def node_rows(found: list[Row]) -> dict[tuple[str, int], Row]:
@@ -60,6 +87,8 @@ def node_table(found: list[Row]) -> str:
             cells.append(
                 "(the node)" if row is node else ratio.text() if ratio else "-"
             )
+        wait = kv_wait_p50_ms(row.cell.legs)
+        cells.append(f"{wait:.1f}" if wait is not None else "-")
         step = step_p50_ms(steps_of(row.cell.legs))
         cells.append(f"{step:.2f}" if step is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")

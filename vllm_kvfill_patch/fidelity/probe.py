@@ -87,6 +87,8 @@ class Counters:
         self.fill_histogram = [0] * FILL_BUCKETS
         self.steps: list[tuple[float, float]] = []
         self.step_fill = 0.0
+        self.kv_waits: list[float] = []
+        self.waiting_since: dict[str, float] = {}
         self.kernels: list[str] = []
         self.switched: InForce | dict[str, str] | None = None
 
@@ -109,12 +111,38 @@ class Counters:
                 "fill_seconds": self.fill_seconds,
                 "fill_histogram": list(self.fill_histogram),
                 "steps": self.taken_steps(),
+                "kv_waits": self.taken_kv_waits(),
             }
 
     def taken_steps(self) -> list[tuple[float, float]]:
         """The steps since the last answer, handed out once (under `lock`)."""
         steps, self.steps = self.steps, []
         return steps
+
+    def taken_kv_waits(self) -> list[float]:
+        """The KV waits since the last answer, handed out once (under `lock`)."""
+        waits, self.kv_waits = self.kv_waits, []
+        return waits
+
+    def note_kv_waits(self, scheduler: Any, scheduled: Any) -> None:
+        """After a ``schedule()``: the requests it scheduled that were waiting
+        for their KV end their wait; those now waiting begin theirs (a real
+        node's NIXL reads, or the link model's transfers)."""
+        now = time.monotonic()
+        waiting = {
+            request_id
+            for request_id, request in scheduler.requests.items()
+            if getattr(request.status, "name", "") == "WAITING_FOR_REMOTE_KVS"
+        }
+        with self.lock:
+            for request_id in scheduled:
+                if (since := self.waiting_since.pop(request_id, None)) is not None:
+                    self.kv_waits.append(now - since)
+            for request_id in list(self.waiting_since):
+                if request_id not in scheduler.requests:  # aborted while waiting
+                    del self.waiting_since[request_id]
+            for request_id in waiting - self.waiting_since.keys():
+                self.waiting_since[request_id] = now
 
     def save(self, question: int) -> None:
         partial = self.path.with_suffix(".partial")
@@ -226,8 +254,13 @@ def run_hidden_sitecustomize(ours: str) -> None:
 
 
 def _count_reprefills(module: Any) -> None:
+    """Each ``schedule()``: the tokens of preempted requests it recomputes,
+    and the requests' waits for their KV (`Counters.note_kv_waits`)."""
+
     def schedule(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         output = wrapped(*args, **kwargs)
+        if _counters is not None:
+            _counters.note_kv_waits(scheduler, output.num_scheduled_tokens)
         tokens = 0
         for request_id, count in output.num_scheduled_tokens.items():
             request = scheduler.requests.get(request_id)

@@ -34,11 +34,14 @@ from vllm_kvfill_patch.fidelity.wire import (
 
 SITE = (
     "import vllm_kvfill_patch.fidelity.probe as probe\n"
+    "import vllm_kvfill_patch.fidelity.nixl_rest as nixl_rest\n"
     "probe.install()\n"
+    "nixl_rest.install()\n"
     "probe.run_hidden_sitecustomize(__file__)\n"
 )
-"""The `sitecustomize` that puts the probe in every process vLLM starts, and
-then runs the one it hides."""
+"""The `sitecustomize` that puts the probe in every process vLLM starts (and
+rests NIXL's progress thread where the tool asks: `nixl_rest`), and then
+runs the one it hides."""
 
 
 def vllm_command() -> str:
@@ -275,7 +278,8 @@ class Server:
     def counters(self) -> dict:
         """The sum of every process's probe counters and the engine's
         preemptions (Prometheus), now; and the forward passes its workers
-        took since the last question (`steps`)."""
+        took (`steps`) and its requests' waits for their KV (`kv_waits`)
+        since the last question."""
         self.questions += 1
         answered = ask(self.probe_dir, self.questions)
         total: dict = dict.fromkeys(COUNTS, 0)
@@ -284,9 +288,9 @@ class Server:
             counts = json.loads(path.read_text())
             for key in COUNTS:
                 total[key] = counted(total[key], counts[key])
-        total["steps"] = [
-            step for path in answered for step in json.loads(path.read_text())["steps"]
-        ]
+        answers = [json.loads(path.read_text()) for path in answered]
+        total["steps"] = [step for answer in answers for step in answer["steps"]]
+        total["kv_waits"] = [wait for answer in answers for wait in answer["kv_waits"]]
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
 

@@ -79,10 +79,16 @@ def node_said(found: list[Row], servers: list[Server]) -> None:
     print("\nAgainst the real decode node (95% intervals, legs paired by prompts):")
     print(table)
     p50 = None
+    concurrencies = sorted({row.key.concurrency for row in found})
     for server in servers:
         if (received := server.transfers()) is not None:
             print(f"{server.name}: {received.said()}")
             p50 = received.quantile(0.5)
+            for concurrency in concurrencies:
+                if (at := server.transfers(concurrency)) is not None:
+                    print(
+                        f"  at C={concurrency}: {at.count:.0f} transfers, {at.timing()}"
+                    )
     print("\n".join(ttft_lines(found, p50 and p50 * 1000)))
 
 

@@ -51,14 +51,16 @@ class Transfers:
             ),
         )
 
+    def timing(self) -> str:
+        """The time per transfer in words: p50 and p99."""
+        p50, p99 = self.quantile(0.5), self.quantile(0.99)
+        if p50 is None or p99 is None:
+            return "no transfer timed"
+        return f"transfer time p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
+
     def said(self) -> str:
         """The transfers in words: bytes, count, failures, time per transfer."""
-        p50, p99 = self.quantile(0.5), self.quantile(0.99)
-        timing = (
-            f"transfer time p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
-            if p50 is not None and p99 is not None
-            else "no transfer timed"
-        )
+        timing = self.timing()
         each = self.bytes / self.count if self.count else 0
         return (
             f"received {self.bytes:,.0f} bytes through NIXL in {self.count:.0f} "

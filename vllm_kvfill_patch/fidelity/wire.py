@@ -134,6 +134,10 @@ class Answer(TypedDict):
     fill_histogram: list[int]
     # (seconds, fill seconds) of each forward pass since its last answer
     steps: list[tuple[float, float]]
+    # seconds each request waited for its KV (in WAITING_FOR_REMOTE_KVS,
+    # from the step that admitted it to the step that scheduled it), since
+    # its last answer
+    kv_waits: list[float]
 
 
 def counted(a: Any, b: Any, sign: int = 1) -> Any:

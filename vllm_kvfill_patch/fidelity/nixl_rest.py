@@ -1,0 +1,62 @@
+"""NIXL's progress thread given a rest between its polls, in the real decode
+node's servers (`node`): where the node shares two cores, not the spinning
+thread a node with cores to spare gives a core of its own.
+
+NIXL's Python API creates each agent with ``pthrDelay = 0``: its progress
+thread polls UCX without rest, a core's worth of work. On a machine with
+cores to spare it has one; on two cores it shares the one the decode
+worker leaves with vLLM's API server, its engine side, the prefill server
+and the client, and the node's transfers wait for it. With
+`REST_ENV` set (microseconds), each agent of the process is created with
+that delay between polls instead: the thread sleeps between them. The
+threads an agent starts are written to ``<probe dir>/<pid>.nixl``
+(`threads_of`), so that the tool keeps them at the worker's priority (they
+run at once when they wake, as on a core of their own) while it lowers the
+threads that spin.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_kvfill_patch.fidelity.wire import DIR_ENV
+
+REST_ENV = "KVFILL_NIXL_PROGRESS_REST_US"
+BINDINGS = ("nixl_cu12._bindings", "nixl_cu13._bindings", "nixl._bindings")
+"""Where NIXL's agent class is, by build (the ``nixl`` meta package loads
+one of them)."""
+
+
+def install() -> None:
+    """Rest NIXL's progress thread in this process, if the tool asked for it."""
+    rest = os.environ.get(REST_ENV)
+    if not rest:
+        return
+    import wrapt
+
+    def rest_agents(bindings: Any) -> None:
+        def agent(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            config = args[1] if len(args) > 1 else kwargs.get("config")
+            if config is not None:
+                config.pthrDelay = int(rest)
+            before = set(os.listdir("/proc/self/task"))
+            created = wrapped(*args, **kwargs)
+            started = set(os.listdir("/proc/self/task")) - before
+            if directory := os.environ.get(DIR_ENV):
+                with (Path(directory) / f"{os.getpid()}.nixl").open("a") as out:
+                    out.writelines(f"{tid}\n" for tid in sorted(started))
+            return created
+
+        wrapt.wrap_function_wrapper(bindings, "nixlAgent", agent)
+
+    for name in BINDINGS:
+        wrapt.register_post_import_hook(rest_agents, name)
+
+
+def threads_of(probe_dir: Path, pid: int) -> set[int]:
+    """The threads NIXL's agents started in process `pid` (none where the
+    tool did not rest them)."""
+    found = probe_dir / f"{pid}.nixl"
+    return set(map(int, found.read_text().split())) if found.exists() else set()
