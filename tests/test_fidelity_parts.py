@@ -277,3 +277,30 @@ def test_a_leg_read_in_bursts_or_with_lost_requests_is_taken_again():
     assert rerun_reason(failed) == (
         f"1 of {per_leg} requests failed: ServerDisconnectedError: gone"
     )
+
+
+def test_the_probe_times_each_requests_admission_and_wait_for_kv(tmp_path):
+    """What the scheduler process records after each ``schedule()`` (a
+    scheduler of the fields it reads): a request's delay from its arrival to
+    its admission, once, and its wait for its KV, from the step that
+    admitted it to the step that scheduled it; each handed out once."""
+    from types import SimpleNamespace
+
+    counters = probe.Counters(tmp_path)
+    request = SimpleNamespace(
+        status=SimpleNamespace(name="WAITING_FOR_REMOTE_KVS"),
+        arrival_time=time.time() - 0.5,
+    )
+    scheduler = SimpleNamespace(requests={"r": request})
+    counters.note_kv_waits(scheduler, {})
+    assert 0.5 <= counters.admissions[0] < 5 and not counters.kv_waits
+    time.sleep(0.01)
+    request.status = SimpleNamespace(name="RUNNING")
+    counters.note_kv_waits(scheduler, {"r": 1})
+    assert len(counters.admissions) == 1 and 0.01 <= counters.kv_waits[0] < 5
+    answer = counters.snapshot(1)
+    assert (len(answer["admissions"]), len(answer["kv_waits"])) == (1, 1)
+    assert counters.snapshot(2)["kv_waits"] == []
+    scheduler.requests.clear()  # finished: forgotten
+    counters.note_kv_waits(scheduler, {})
+    assert not counters.admitted and not counters.waiting_since

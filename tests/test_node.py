@@ -152,10 +152,27 @@ def test_a_linked_modes_ttft_gap_says_it_waits_on_the_link():
     cells = node_cells()
     cells[Key("main", 8, LINKED.name)] = cells[Key("main", 8, NODE.name)]
     found, _ = rows(cells)  # type: ignore[arg-type]
-    (said,) = ttft_lines(found, 11.0)
+    said, phases = ttft_lines(found, 11.0)
     assert "package+link 100.0 ms (+0.0%" in said
     assert said.endswith(f"; {WHY_LINKED}.")
     assert WHY_LINKED not in ttft_lines(rows(node_cells())[0], 11.0)[0]
+    assert phases == "  no admission recorded"
+
+
+def test_each_ttft_is_split_where_the_scheduler_saw_it_go():
+    cells = node_cells()
+    for mode, admissions, waits in (
+        (NODE.name, [0.002, 0.003], [0.040]),
+        (PACKAGE.name, [0.001, 0.002], []),
+    ):
+        cells[Key("main", 8, mode)].legs[0].update(
+            admissions=admissions, kv_waits=waits
+        )
+    found, _ = rows(cells)  # type: ignore[arg-type]
+    phases = ttft_lines(found, None)[1]
+    assert phases.startswith("  TTFT p50 as arrival to admission + wait for KV + ")
+    assert "decode-node 2.5 + 40.0 + 57.5 ms" in phases
+    assert "package 1.5 + 0.0 + 48.5 ms" in phases
 
 
 def test_without_a_node_there_is_no_table():

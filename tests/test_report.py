@@ -262,8 +262,9 @@ def test_the_default_is_quick_and_thorough_is_one_flag():
         "package",
         "package+link",
         "ideal",
+        "ideal+link",
     ]
-    assert [m.setting.link for m in quick.main.modes if m.setting] == [None] * 4
+    assert [m.setting.link for m in quick.main.modes if m.setting] == [None] * 5
     assert quick.prefill is not None and quick.prefill.modes[0].setting is None
     refill = Plan.of(parse(["--refill"]))
     assert [m.name for m in refill.main.modes][-2:] == [
@@ -273,14 +274,15 @@ def test_the_default_is_quick_and_thorough_is_one_flag():
     # The embedded model preempts in a case of its own; a user's model only
     # when asked.
     assert quick.preemption is not None and quick.preemption.legs == 4
-    assert "package+link" not in [m.name for m in quick.preemption.modes]
+    assert not [m.name for m in quick.preemption.modes if m.linked]
     assert Plan.of(parse(["--model", "m"])).preemption is None
 
 
 def test_the_link_mode_crosses_the_link_given_or_fitted_to_the_node():
     given = Plan.of(parse(["--link", "50,0.25"]))
-    (linked,) = [m for m in given.main.modes if m.linked]
-    assert linked.setting.link == (50.0, 0.25)
+    linked, ideal = [m for m in given.main.modes if m.linked]
+    assert linked.setting.link == ideal.setting.link == (50.0, 0.25)
+    assert (linked.reference, ideal.setting.writes) == ("ideal+link", False)
     assert linked.setting.encoded() == "package=1,writes=1,refill=0,link=50.0:0.25"
     assert Setting.decoded(linked.setting.encoded()) == linked.setting
     assert Setting.decoded("package=1,writes=1,refill=0,link=7.5:").link == (7.5, None)

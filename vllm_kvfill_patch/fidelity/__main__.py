@@ -223,7 +223,7 @@ class Run:
                     self.measurer.cells.setdefault(key, Cell()).error = why
             return plan
         self.say(
-            f"package+link: latency {fitted[0]:g} ms, no bandwidth limit: the real "
+            f"the link: latency {fitted[0]:g} ms, no bandwidth limit: the real "
             f"node's requests' wait for their KV at C={min(plan.main.concurrencies)} "
             "(p50, admitted to scheduled)"
         )

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_kvfill_patch.fidelity.modes import DEFAULT_MODES, add_fill_config_argument
+from vllm_kvfill_patch.fidelity.modes import (
+    DEFAULT_MODES,
+    MODES,
+    add_fill_config_argument,
+)
 from vllm_kvfill_patch.fidelity.plan import QUICK, THOROUGH
 
 DESCRIPTION = """\
@@ -46,12 +50,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add_length(parser.add_argument_group("how long"))
     add_extras(parser.add_argument_group("more"))
     args = parser.parse_args(argv)
-    if "package+link" in args.modes and "decode-node" not in args.modes:
-        if args.link is None:
-            parser.error(
-                "the package+link mode takes its link from the decode-node mode's "
-                "transfers: add decode-node to --modes, or give --link"
-            )
+    linked = [name for name in args.modes if MODES[name].linked]
+    if linked and "decode-node" not in args.modes and args.link is None:
+        parser.error(
+            f"{' and '.join(linked)} take their link from the decode-node mode's "
+            "waits for KV: add decode-node to --modes, or give --link"
+        )
     return args
 
 
@@ -105,9 +109,9 @@ def add_workload(group: argparse._ArgumentGroup) -> None:
     )  # fmt: skip
     group.add_argument(
         "--link", type=link_argument, metavar="LATENCY_MS,GBPS",
-        help="the package+link mode's link model (transfer_latency_ms, "
-        "transfer_gbps per rank; GBPS empty: no limit); default: fitted to "
-        "the decode-node mode's measured transfers",
+        help="the link model of package+link and ideal+link "
+        "(transfer_latency_ms, transfer_gbps per rank; GBPS empty: no limit); "
+        "default: fitted to the decode-node mode's waits for KV",
     )  # fmt: skip
     group.add_argument(
         "--refill", action="store_true",

@@ -15,11 +15,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls", "steps", "kv_waits")
+SLIM_KEYS = (
+    "ttfts", "latencies", "output_lens", "itls", "steps", "kv_waits", "admissions",
+)  # fmt: skip
 """The lists of a leg a cell keeps: vLLM's per-request lists (`combined` and
 the comparison with the ideal read them), the worker's steps over the leg
-(`attribution`) and its requests' waits for their KV (`node_report`); the
-rest stay in vLLM's file."""
+(`attribution`) and its requests' delays to admission and waits for their
+KV (`node_report`); the rest stay in vLLM's file."""
 
 
 @dataclass(frozen=True)

@@ -167,10 +167,8 @@ class Measurer:
             key: counted(after[key], before[key], -1)
             for key in (*COUNTS, "preemptions")
         }
-        return figures, counts | {
-            "steps": after["steps"],
-            "kv_waits": after["kv_waits"],
-        }
+        lists = {key: after[key] for key in ("steps", "kv_waits", "admissions")}
+        return figures, counts | lists
 
     def record(self, cell: Cell, label: str, round_: int, legs: list[dict]) -> None:
         """A round's figures of a cell, over its legs; said as a progress line."""

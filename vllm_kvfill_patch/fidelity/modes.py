@@ -3,7 +3,8 @@ the connector modes one server switches between (`switch`).
 
 Every connector mode keeps a decode node's semantics (a preempted request is
 recomputed), so that they differ in the fill alone; the refill after
-preemption is a labelled pair of its own, off by default (docs/benchmark.md).
+preemption and the link model are pairs of their own, each held to its own
+ideal (docs/benchmark.md).
 """
 
 from __future__ import annotations
@@ -65,7 +66,14 @@ LINKED = Mode(
     "package+link",
     "the package, each prompt's KV over a link modelled on the real node's",
     Setting(True, True, False),
-    "ideal",
+    "ideal+link",
+    linked=True,
+)
+IDEAL_LINK = Mode(
+    "ideal+link",
+    "the ideal, each prompt's KV over the same link",
+    Setting(True, False, False),
+    None,
     linked=True,
 )
 IDEAL = Mode(
@@ -88,10 +96,13 @@ IDEAL_REFILL = Mode(
 )
 MODES = {
     m.name: m
-    for m in (PREFILL, NODE, UPSTREAM, PACKAGE, LINKED, IDEAL, REFILL, IDEAL_REFILL)
-}
+    for m in (
+        PREFILL, NODE, UPSTREAM, PACKAGE, LINKED, IDEAL, IDEAL_LINK, REFILL,
+        IDEAL_REFILL,
+    )
+}  # fmt: skip
 """Every mode, in the table's order."""
-DEFAULT_MODES = (PREFILL, NODE, UPSTREAM, PACKAGE, LINKED, IDEAL)
+DEFAULT_MODES = (PREFILL, NODE, UPSTREAM, PACKAGE, LINKED, IDEAL, IDEAL_LINK)
 REFILL_PAIR = (REFILL, IDEAL_REFILL)
 
 

@@ -43,8 +43,13 @@ WHY_LINKED = (
 def kv_wait_p50_ms(legs: list[dict]) -> float | None:
     """How long a request of the legs waited for its KV, at the median, in
     milliseconds (None where none waited: its KV arrived at admission)."""
-    waits = [wait for leg in legs for wait in leg.get("kv_waits", [])]
-    return float(np.median(waits)) * 1000 if waits else None
+    return p50_ms(legs, "kv_waits")
+
+
+def p50_ms(legs: list[dict], key: str) -> float | None:
+    """The median of a list of seconds the legs recorded, in milliseconds."""
+    values = [value for leg in legs for value in leg.get(key, [])]
+    return float(np.median(values)) * 1000 if values else None
 
 
 def fitted_link(cells: dict[Key, Cell]) -> tuple[float, float | None] | None:
@@ -97,7 +102,8 @@ def node_table(found: list[Row]) -> str:
 
 def ttft_lines(found: list[Row], transfer_p50_ms: float | None) -> list[str]:
     """Per concurrency, how far each emulated mode's decode TTFT is from the
-    node's, and why, in a sentence."""
+    node's, and why, in a sentence; then where each one's TTFT went before
+    its first step, as measured in the scheduler."""
     lines = []
     transfer = (
         f" (p50 {transfer_p50_ms:.1f} ms a transfer here)"
@@ -125,4 +131,23 @@ def ttft_lines(found: list[Row], transfer_p50_ms: float | None) -> list[str]:
                 f"{node.figures['median_ttft_ms']:.1f} ms; {', '.join(said)}: "
                 f"{WHY_TTFT}{transfer}" + (f"; {WHY_LINKED}." if linked else ".")
             )
+            lines.append(f"  {phases_line([node, *emulated])}")
     return lines
+
+
+def phases_line(found: list[Row]) -> str:
+    """Where each mode's TTFT went (p50): arrival at the server to admission,
+    the wait for its KV, and the rest (its first step and the way back)."""
+    parts = []
+    for row in found:
+        admission = p50_ms(row.cell.legs, "admissions")
+        wait = kv_wait_p50_ms(row.cell.legs) or 0.0
+        if admission is None:
+            continue
+        rest = row.figures["median_ttft_ms"] - admission - wait
+        parts.append(f"{row.key.mode} {admission:.1f} + {wait:.1f} + {rest:.1f} ms")
+    return (
+        "TTFT p50 as arrival to admission + wait for KV + the rest: " + "; ".join(parts)
+        if parts
+        else "no admission recorded"
+    )

@@ -89,6 +89,8 @@ class Counters:
         self.step_fill = 0.0
         self.kv_waits: list[float] = []
         self.waiting_since: dict[str, float] = {}
+        self.admissions: list[float] = []
+        self.admitted: set[str] = set()
         self.kernels: list[str] = []
         self.switched: InForce | dict[str, str] | None = None
 
@@ -112,6 +114,7 @@ class Counters:
                 "fill_histogram": list(self.fill_histogram),
                 "steps": self.taken_steps(),
                 "kv_waits": self.taken_kv_waits(),
+                "admissions": self.taken_admissions(),
             }
 
     def taken_steps(self) -> list[tuple[float, float]]:
@@ -124,22 +127,34 @@ class Counters:
         waits, self.kv_waits = self.kv_waits, []
         return waits
 
+    def taken_admissions(self) -> list[float]:
+        """The admission delays since the last answer, handed out once."""
+        delays, self.admissions = self.admissions, []
+        return delays
+
     def note_kv_waits(self, scheduler: Any, scheduled: Any) -> None:
-        """After a ``schedule()``: the requests it scheduled that were waiting
-        for their KV end their wait; those now waiting begin theirs (a real
-        node's NIXL reads, or the link model's transfers)."""
-        now = time.monotonic()
+        """After a ``schedule()``: each request it admitted (to wait for its
+        KV, or scheduled at once) took so long from its arrival at the
+        server; the requests it scheduled that were waiting for their KV end
+        their wait; those now waiting begin theirs (a real node's NIXL
+        reads, or the link model's transfers)."""
+        now, wall = time.monotonic(), time.time()
+        requests = scheduler.requests
         waiting = {
             request_id
-            for request_id, request in scheduler.requests.items()
+            for request_id, request in requests.items()
             if getattr(request.status, "name", "") == "WAITING_FOR_REMOTE_KVS"
         }
         with self.lock:
+            for request_id in (waiting | set(scheduled)) - self.admitted:
+                self.admitted.add(request_id)
+                self.admissions.append(wall - requests[request_id].arrival_time)
+            self.admitted &= requests.keys()  # finished: forgotten
             for request_id in scheduled:
                 if (since := self.waiting_since.pop(request_id, None)) is not None:
                     self.kv_waits.append(now - since)
             for request_id in list(self.waiting_since):
-                if request_id not in scheduler.requests:  # aborted while waiting
+                if request_id not in requests:  # aborted while waiting
                     del self.waiting_since[request_id]
             for request_id in waiting - self.waiting_since.keys():
                 self.waiting_since[request_id] = now

@@ -278,8 +278,8 @@ class Server:
     def counters(self) -> dict:
         """The sum of every process's probe counters and the engine's
         preemptions (Prometheus), now; and the forward passes its workers
-        took (`steps`) and its requests' waits for their KV (`kv_waits`)
-        since the last question."""
+        took (`steps`), its requests' delays to admission (`admissions`) and
+        waits for their KV (`kv_waits`) since the last question."""
         self.questions += 1
         answered = ask(self.probe_dir, self.questions)
         total: dict = dict.fromkeys(COUNTS, 0)
@@ -290,7 +290,8 @@ class Server:
                 total[key] = counted(total[key], counts[key])
         answers = [json.loads(path.read_text()) for path in answered]
         total["steps"] = [step for answer in answers for step in answer["steps"]]
-        total["kv_waits"] = [wait for answer in answers for wait in answer["kv_waits"]]
+        for key in ("kv_waits", "admissions"):
+            total[key] = [value for answer in answers for value in answer[key]]
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
 

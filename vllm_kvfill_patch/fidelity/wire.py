@@ -138,6 +138,9 @@ class Answer(TypedDict):
     # from the step that admitted it to the step that scheduled it), since
     # its last answer
     kv_waits: list[float]
+    # seconds from each request's arrival at the server to its admission
+    # (vLLM's arrival time, wall clock), since its last answer
+    admissions: list[float]
 
 
 def counted(a: Any, b: Any, sign: int = 1) -> Any:
