@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from vllm_kvfill_patch.fidelity.modes import IDEAL, NODE, PACKAGE
+from vllm_kvfill_patch.fidelity.modes import IDEAL, IDEAL_LINK, LINKED, NODE, PACKAGE
 
 CONCURRENCY, PROMPTS, OUTPUT, LEGS = 4, 8, 16, 2
-MODES = [NODE.name, PACKAGE.name, IDEAL.name]
+MODES = [NODE.name, PACKAGE.name, LINKED.name, IDEAL.name, IDEAL_LINK.name]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,12 @@ def test_the_node_received_every_prompts_kv_through_nixl_in_milliseconds(run):
     assert each > 0 and total == each * transfers
     assert failed == 0
     assert 0 < p50 <= p99 < 1000
+    at = re.search(
+        rf"  at C={CONCURRENCY}: {PROMPTS} transfers, transfer time p50 ([\d.]+) "
+        r"ms, p99 ([\d.]+) ms",
+        run["stdout"],
+    )
+    assert at and float(at[1]) <= float(at[2]) < 1000
     assert local == transfers  # each prompt's last token, computed at decode
     assert remote == prompt_tokens - transfers
 
@@ -82,9 +88,35 @@ def test_every_mode_is_held_to_the_node_and_the_ttft_gap_is_said(run):
     assert "package " in sentence and "over NIXL" in sentence
 
 
+def test_the_linked_modes_cross_the_nodes_wait_for_kv(run):
+    """The link is fitted to the node's requests' wait for their KV, and
+    every request of the linked modes waited at least that long; the TTFT
+    of every mode is split where the scheduler saw it go."""
+    stdout = run["stdout"]
+    fitted = re.search(
+        r"the link: latency ([\d.]+) ms, no bandwidth limit: the real node's "
+        rf"requests' wait for their KV at C={CONCURRENCY}",
+        stdout,
+    )
+    assert fitted and float(fitted[1]) > 0, stdout[-3000:]
+    results = run["output"] / "results"
+    for mode in (LINKED.name, IDEAL_LINK.name):
+        ttfts = [
+            ttft
+            for leg in range(LEGS)
+            for ttft in json.loads(
+                (results / f"main-{mode}-c{CONCURRENCY}-r0-l{leg}.json").read_text()
+            )["ttfts"]
+        ]
+        assert len(ttfts) == PROMPTS and min(ttfts) * 1000 >= float(fitted[1])
+    split = next(line for line in stdout.splitlines() if "TTFT p50 as" in line)
+    assert f"{NODE.name} " in split and f"{LINKED.name} " in split
+
+
 def test_the_decode_workers_model_thread_had_its_cores_alone(run):
     stdout = run["stdout"]
     assert "the decode worker's model thread alone on its cores" in stdout
+    assert "NIXL's progress threads (2) resting 100 us between polls" in stdout
     server = run["summary"]["servers"]["decode-node"]
     placement = server["placement"]
     assert placement and not set(placement["worker_cores"]) & set(
