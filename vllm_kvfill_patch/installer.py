@@ -16,6 +16,7 @@ wraps, and the status says so.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -24,7 +25,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -206,61 +207,64 @@ def refill_opted_in(source: str) -> None:
     it in, and say so in this process's status, with `source` as the why.
     Handed to the options part when it is installed; never raises: it runs
     while a connector is built."""
-    with _installer.lock:
-        try:
-            _installer.refill_source = source
-            applied = _installer.applied
-            if (
-                not _installer.refill_available
-                or applied is None
-                or REFILL in applied.parts
-                or switches.refill_switch() is False
-            ):
-                return
-            with_refill = _with_refill(_without_link(applied), source)
-            model = _installer.link_model
-            _installer.applied = (
-                _with_link(with_refill, model)
-                if LINK in applied.parts and model is not None
-                else with_refill
-            )
-            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
-                _install(sys.modules[CONNECTOR_MODULE], _installer.applied.parts)
-                _record(_installer.applied)
-        except Exception as exc:  # noqa: BLE001 - never fail building a connector
-            _decide(
-                Decision.REFUSED,
-                f"installing the refill failed: {type(exc).__name__}: {exc}",
-            )
+    with _opting_in("refill"):
+        _installer.refill_source = source
+        applied = _installer.applied
+        if (
+            not _installer.refill_available
+            or applied is None
+            or REFILL in applied.parts
+            or switches.refill_switch() is False
+        ):
+            return
+        with_refill = _with_refill(_without_link(applied), source)
+        model = _installer.link_model
+        _put_in(
+            _with_link(with_refill, model)
+            if LINK in applied.parts and model is not None
+            else with_refill
+        )
 
 
 def link_opted_in(model: LinkModel) -> None:
     """A connector's options asked for the link model: put the link part in,
     and name the model in this process's status. Handed to the options part
     when it is installed; never raises: it runs while a connector is built."""
+    with _opting_in("link model"):
+        _installer.link_model = model
+        applied = _installer.applied
+        if applied is None or not _installer.link_available:
+            decision_log.log(
+                logging.WARNING,
+                "vllm-kvfill-patch: the connector's options ask for a link "
+                "model (%s), but the patch is not applied with it here (%s): "
+                "the KV arrives as upstream's connector delivers it",
+                model,
+                _installer.status.reason,
+            )
+            return
+        _put_in(_with_link(_without_link(applied), model))
+
+
+@contextlib.contextmanager
+def _opting_in(what: str) -> Iterator[None]:
+    """Under the lock; a failure is this process's refusal, never raised."""
     with _installer.lock:
         try:
-            _installer.link_model = model
-            applied = _installer.applied
-            if applied is None or not _installer.link_available:
-                decision_log.log(
-                    logging.WARNING,
-                    "vllm-kvfill-patch: the connector's options ask for a link "
-                    "model (%s), but the patch is not applied with it here (%s): "
-                    "the KV arrives as upstream's connector delivers it",
-                    model,
-                    _installer.status.reason,
-                )
-                return
-            _installer.applied = _with_link(_without_link(applied), model)
-            if _installer.wanted and _installer.status.decision is Decision.APPLIED:
-                _install(sys.modules[CONNECTOR_MODULE], _installer.applied.parts)
-                _record(_installer.applied)
+            yield
         except Exception as exc:  # noqa: BLE001 - never fail building a connector
             _decide(
                 Decision.REFUSED,
-                f"installing the link model failed: {type(exc).__name__}: {exc}",
+                f"installing the {what} failed: {type(exc).__name__}: {exc}",
             )
+
+
+def _put_in(applied: PatchStatus) -> None:
+    """`applied` is the status to apply; in force at once where the patch is."""
+    _installer.applied = applied
+    if _installer.wanted and _installer.status.decision is Decision.APPLIED:
+        _install(sys.modules[CONNECTOR_MODULE], applied.parts)
+        _record(applied)
 
 
 def link_opted_out() -> None:
