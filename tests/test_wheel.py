@@ -53,6 +53,7 @@ FIDELITY_TOOL = {"__init__", "__main__", "args", "client", "connector", "cores"}
 FIDELITY_TOOL |= {"measure", "model", "modes", "picture", "plan", "probe"}
 FIDELITY_TOOL |= {"report", "serve", "stats", "summary", "switch", "values"}
 FIDELITY_TOOL |= {"wire", "attribution", "node", "node_report", "proxy", "transfers"}
+FIDELITY_TOOL |= {"nixl_rest"}
 
 
 def test_the_wheel_holds_the_hot_fix_its_status_command_and_the_fidelity_tool():

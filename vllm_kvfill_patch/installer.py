@@ -46,7 +46,6 @@ from vllm_kvfill_patch.gating import (
     Verdict,
     judge,
 )
-from vllm_kvfill_patch.link import LinkModel
 
 if TYPE_CHECKING:  # the part's module is imported with the parts
     from vllm_kvfill_patch.link import LinkModel

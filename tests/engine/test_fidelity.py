@@ -198,9 +198,10 @@ def test_the_verdict_comes_first_then_the_table_and_the_files(run):
     assert attributed < verdict < stdout.index("| mode | C |")
     # Every decode step of each leg was recorded with its fill: the verdict
     # is decided by what the fill adds, the legs (one round) say nothing.
-    package, upstream = stdout[attributed:verdict].splitlines()[2:4]
+    package, linked, upstream = stdout[attributed:verdict].splitlines()[2:5]
     decided = r"(within the bar of|outside the bar of|undecided against) ideal"
     assert re.match(rf"    package {decided}: its fill adds TPOT p50 ", package)
+    assert re.match(rf"    package\+link {decided}\+link: its fill adds ", linked)
     assert re.match(rf"    upstream {decided}: its fill adds TPOT p50 ", upstream)
     assert "a step; the legs measured TPOT p50" in package
     # One round of two legs: no interval, so nothing is decided.
