@@ -8,6 +8,11 @@ vLLM's own per-request timestamps, on one clock.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests import tiny_model
@@ -23,7 +28,7 @@ from tests.engine.test_current_engine import (
     SHARED_PREFIX,
     run_under_preemption,
 )
-from tests.helpers import run_forked
+from tests.helpers import ROOT, run_forked
 
 LATENCY_S = 0.2
 PER_REQUEST_S = 0.1
@@ -169,3 +174,31 @@ def test_a_prefix_cache_hit_carries_and_fills_the_blocks_after_it_only():
             }
         )
     )
+
+
+def test_with_two_tensor_parallel_workers_each_reports_and_every_request_ends():
+    """vLLM's multiprocess executor takes the step's metadata to two worker
+    processes: each fills the arrivals and reports them, and vLLM's own
+    aggregator schedules a request only once both have. Were one report
+    missing, the requests would wait for their KV for ever. (A fresh
+    interpreter: the executor's workers are not forked from the zygote.)"""
+    options = {"tensor_parallel": 2, "connector_options": {"transfer_latency_ms": 20}}
+    code = (
+        "import json, sys; from tests.engine import engine_probe; "
+        "report = engine_probe.main(json.loads(sys.argv[1])); "
+        "print('REPORT', json.dumps(report))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    said = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert done.returncode == 0 and said, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(said[-1].removeprefix("REPORT "))
+    assert report["generated"] == [6] * 5, report.get("error_chain")
+    assert len(report["workers"]) == 2
+    assert all(worker["parts"][-1] == "link" for worker in report["workers"])
