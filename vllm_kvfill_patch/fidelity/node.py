@@ -89,11 +89,19 @@ STARTING_CHECK_SECONDS = 3.0
 """How often NIXL's threads are lowered while the pair starts."""
 SPINNING_NICENESS = 19
 """The threads that spin: the prefill server's engine side and workers after
-each of decode's notifications, and the workers' other threads: on the
-cores the client and the decode server's engine side share, they run at the
-lowest priority, so that the engine core (`cores.LOWERED_NICENESS`) is not
-kept off its core by them. NIXL's progress threads rest instead of spinning
-(`nixl_rest`) and keep the worker's priority: the transfers wait on them."""
+each of decode's notifications, and the workers' other threads. On the
+cores the client and the decode server's engine side share, they run only
+when nothing else would (`idle`: Linux's ``SCHED_IDLE``, at this niceness),
+so that the decode server's front is not kept off its core by them, as on
+a machine with cores to spare. NIXL's progress threads rest instead of
+spinning (`nixl_rest`) and keep the worker's priority: the transfers wait
+on them."""
+
+
+def idle(thread: int) -> None:
+    """`thread` run only when its cores have nothing else to run."""
+    os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
+    os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
 
 
 def repin(
@@ -101,7 +109,7 @@ def repin(
 ) -> None:
     """The worker's model thread back on the first core vLLM bound it to,
     one thread alone on each other bound core kept (OpenMP's team), and
-    every other thread on `front`, at `SPINNING_NICENESS` but NIXL's
+    every other thread on `front`, `idle` but NIXL's
     `resting` ones."""
     os.sched_setaffinity(worker, {model_cores[0]})
     kept = {model_cores[0]}
@@ -116,7 +124,7 @@ def repin(
                 continue
             os.sched_setaffinity(thread, front)
             if thread not in resting:
-                os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
+                idle(thread)
 
 
 @dataclass
@@ -164,7 +172,7 @@ class DecodeNode(Server):
 
     def lower_spinners(self) -> None:
         """Every thread of both servers' workers but the model's own and
-        NIXL's resting ones at `SPINNING_NICENESS`."""
+        NIXL's resting ones `idle`."""
         resting = self.resting()
         for server in (self.pair, self):
             if server.process is None:
@@ -173,7 +181,7 @@ class DecodeNode(Server):
                 for thread in _threads(worker):
                     if thread != worker and thread not in resting:
                         with contextlib.suppress(OSError):  # a thread that ended
-                            os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
+                            idle(thread)
 
     def resting(self) -> set[int]:
         """NIXL's progress threads in both servers' workers (`nixl_rest`)."""
@@ -213,9 +221,13 @@ class DecodeNode(Server):
             )
         # The prefill server only serves reads and frees blocks while decode
         # is measured: below the decode server's engine side, but for NIXL.
-        Placement((), placement.worker_cores, placement.front_cores).apply(
+        lowered = Placement((), placement.worker_cores, placement.front_cores).apply(
             self.pair.process.pid, SPINNING_NICENESS, frozenset(resting)
         )
+        for pid in lowered:
+            for thread in set(_threads(pid)) - resting:
+                with contextlib.suppress(OSError):  # a thread that ended
+                    idle(thread)
         self.lower_spinners()
         if self.proxy is not None and self.proxy.process is not None:
             with contextlib.suppress(OSError):  # ended: the leg says why
@@ -232,7 +244,7 @@ class DecodeNode(Server):
             f"{','.join(map(str, sorted(placement.front_cores)))}; NIXL's progress "
             f"threads ({len(self.resting())}) resting {REST_US} us between polls "
             f"at the worker's priority, the prefill server and the workers' other "
-            f"threads at niceness {SPINNING_NICENESS}"
+            f"threads idle (SCHED_IDLE, niceness {SPINNING_NICENESS})"
         )
 
     def transfers(self, concurrency: int | None = None) -> Transfers | None:
