@@ -103,7 +103,6 @@ class LinkModel:
 @dataclass
 class Transfer:
     fill: Fill
-    nbytes: int
     finish_at: float
 
 
@@ -128,7 +127,7 @@ class Link:
             nbytes = self.bytes_of(fill[0])
             start = max(now + self.model.latency_ms / 1e3, self.free_at)
             self.free_at = start + self.model.seconds_for(nbytes)
-            self.in_flight[request_id] = Transfer(fill, nbytes, self.free_at)
+            self.in_flight[request_id] = Transfer(fill, self.free_at)
 
     def bytes_of(self, block_ids_per_group: tuple[list[int], ...]) -> int:
         # Not strict: a latency alone has no bytes per block (an old vLLM).
