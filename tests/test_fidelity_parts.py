@@ -32,7 +32,7 @@ from vllm_kvfill_patch.fidelity.wire import (
 
 FIDELITY = "vllm_kvfill_patch.fidelity"
 FIDELITY_DIR = Path(__file__).resolve().parent.parent / Path(*FIDELITY.split("."))
-IN_SERVER = {"probe", "switch", "connector"}
+IN_SERVER = {"probe", "switch", "connector", "nixl_rest"}
 """What runs inside `vllm serve`: the tool starts it there by name (its
 `sitecustomize`, `kv_connector_module_path`), never by importing it."""
 SHARED = "wire"

@@ -7,10 +7,10 @@ thread polls UCX without rest, a core's worth of work. On a machine with
 cores to spare it has one; on two cores it shares the one the decode
 worker leaves with vLLM's API server, its engine side, the prefill server
 and the client, and the node's transfers wait for it. With
-`REST_ENV` set (microseconds), each agent of the process is created with
+`wire.NIXL_REST_ENV` set (microseconds), each agent of the process is created with
 that delay between polls instead: the thread sleeps between them. The
 threads an agent starts are written to ``<probe dir>/<pid>.nixl``
-(`threads_of`), so that the tool keeps them at the worker's priority (they
+(`wire.NIXL_THREADS`), so that the tool keeps them at the worker's priority (they
 run at once when they wake, as on a core of their own) while it lowers the
 threads that spin.
 """
@@ -21,9 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_kvfill_patch.fidelity.wire import DIR_ENV
+from vllm_kvfill_patch.fidelity.wire import DIR_ENV, NIXL_REST_ENV, NIXL_THREADS
 
-REST_ENV = "KVFILL_NIXL_PROGRESS_REST_US"
 BINDINGS = ("nixl_cu12._bindings", "nixl_cu13._bindings", "nixl._bindings")
 """Where NIXL's agent class is, by build (the ``nixl`` meta package loads
 one of them)."""
@@ -31,7 +30,7 @@ one of them)."""
 
 def install() -> None:
     """Rest NIXL's progress thread in this process, if the tool asked for it."""
-    rest = os.environ.get(REST_ENV)
+    rest = os.environ.get(NIXL_REST_ENV)
     if not rest:
         return
     import wrapt
@@ -45,7 +44,9 @@ def install() -> None:
             created = wrapped(*args, **kwargs)
             started = set(os.listdir("/proc/self/task")) - before
             if directory := os.environ.get(DIR_ENV):
-                with (Path(directory) / f"{os.getpid()}.nixl").open("a") as out:
+                with (Path(directory) / f"{os.getpid()}{NIXL_THREADS}").open(
+                    "a"
+                ) as out:
                     out.writelines(f"{tid}\n" for tid in sorted(started))
             return created
 
@@ -53,10 +54,3 @@ def install() -> None:
 
     for name in BINDINGS:
         wrapt.register_post_import_hook(rest_agents, name)
-
-
-def threads_of(probe_dir: Path, pid: int) -> set[int]:
-    """The threads NIXL's agents started in process `pid` (none where the
-    tool did not rest them)."""
-    found = probe_dir / f"{pid}.nixl"
-    return set(map(int, found.read_text().split())) if found.exists() else set()

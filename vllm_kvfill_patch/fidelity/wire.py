@@ -23,6 +23,12 @@ DECODE_TOKENS_ENV = "KVFILL_FIDELITY_DECODE_TOKENS"
 and subnormal counts see those only)."""
 SUBNORMALS_ENV = "KVFILL_FIDELITY_SUBNORMALS"
 """``1``: count subnormal floats in every module's outputs (slower)."""
+NIXL_REST_ENV = "KVFILL_NIXL_PROGRESS_REST_US"
+"""Microseconds NIXL's progress thread rests between its polls (`nixl_rest`);
+unset, NIXL's own (none)."""
+NIXL_THREADS = ".nixl"
+"""``<dir>/<pid>.nixl``: the threads NIXL's agents started in that process,
+one id a line."""
 
 QUESTIONS = ".ask"
 """``<dir>/<pid>.ask``: each process's FIFO, which the tool writes its
