@@ -6,12 +6,21 @@ servers: tests/engine/test_node.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.test_report import cell
 from vllm_kvfill_patch.fidelity.modes import IDEAL, LINKED, NODE, PACKAGE
-from vllm_kvfill_patch.fidelity.node import DecodeNode, bound_cores, transfer_config
+from vllm_kvfill_patch.fidelity.node import (
+    DecodeNode,
+    bound_cores,
+    cpu_seconds,
+    transfer_config,
+)
 from vllm_kvfill_patch.fidelity.node_report import (
     HEADINGS,
     WHY_LINKED,
@@ -20,6 +29,7 @@ from vllm_kvfill_patch.fidelity.node_report import (
     ttft_lines,
 )
 from vllm_kvfill_patch.fidelity.report import Key, rows
+from vllm_kvfill_patch.fidelity.serve import Server
 from vllm_kvfill_patch.fidelity.transfers import histogram_quantile, read_transfers
 
 LABELS = 'engine="0",model_name="/m"'
@@ -96,6 +106,65 @@ def test_each_server_of_the_pair_has_its_role_and_a_lease():
         assert (parsed["kv_connector"], parsed["kv_role"]) == ("NixlConnector", role)
         assert parsed["kv_buffer_device"] == "cpu"
         assert parsed["kv_connector_extra_config"]["kv_lease_duration"] > 600
+
+
+SPINNER = """
+import os, subprocess, sys, time
+name = sys.argv[1]
+if name != "leader":
+    open("/proc/self/comm", "w").write(name)
+    while True:
+        pass
+children = [subprocess.Popen([sys.executable, "-c", sys.argv[2], child, sys.argv[2]])
+            for child in ("VLLM::EngineCore", "VLLM::Worker")]
+for child in children:
+    child.wait()
+"""
+"""A server's session: a leader, its engine core and its worker, spinning."""
+
+
+def state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_the_prefill_engine_core_and_only_it_is_paused_while_decode_is_measured(
+    tmp_path,
+):
+    prefill = Server("decode-node-prefill", [], {}, tmp_path)
+    prefill.process = subprocess.Popen(
+        [sys.executable, "-c", SPINNER, "leader", SPINNER], start_new_session=True
+    )
+    node = DecodeNode("decode-node", [], {}, tmp_path, prefill=prefill)
+    try:
+        deadline = time.monotonic() + 30
+        while len(engines := node.prefill_engines()) < 1:
+            assert time.monotonic() < deadline, "the spinners did not start"
+            time.sleep(0.05)
+        assert node.paused() is None
+        node.pause_prefill()
+        named = {
+            pid: Path(f"/proc/{pid}/comm").read_text().strip()
+            for pid in subprocess.check_output(
+                ["pgrep", "-s", str(prefill.process.pid)], text=True
+            ).split()
+        }
+        stopped = {named[pid] for pid in named if state(int(pid)) in "Tt"}
+        assert stopped == {"VLLM::EngineCor"}
+        cpu = cpu_seconds(engines[0])
+        time.sleep(0.3)
+        assert cpu_seconds(engines[0]) == cpu
+        node.resume_prefill()
+        time.sleep(0.3)
+        assert state(engines[0]) not in "Tt" and cpu_seconds(engines[0]) > cpu
+        assert node.paused() == (
+            "the prefill server's engine core paused while decode was measured "
+            f"(1x, {node.pauses.seconds:.1f} s in all): it took 0.00 s of CPU meanwhile"
+        )
+        assert node.pauses.seconds >= 0.3
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(prefill.process.pid)], check=False)
+        prefill.process.wait(10)
 
 
 def node_cells() -> dict[Key, object]:

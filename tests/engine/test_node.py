@@ -113,6 +113,19 @@ def test_the_linked_modes_cross_the_nodes_wait_for_kv(run):
     assert f"{NODE.name} " in split and f"{LINKED.name} " in split
 
 
+def test_the_prefill_engine_core_took_no_cpu_while_decode_was_measured(run):
+    """Paused for each decode leg, it polled nothing there; NIXL's reads were
+    served all the same (the transfers test above)."""
+    paused = re.search(
+        r"decode-node: the prefill server's engine core paused while decode was "
+        r"measured \((\d+)x, ([\d.]+) s in all\): it took ([\d.]+) s of CPU meanwhile",
+        run["stdout"],
+    )
+    assert paused, run["stdout"][-3000:]
+    assert int(paused[1]) >= LEGS and float(paused[2]) > 0
+    assert float(paused[3]) == 0.0
+
+
 def test_the_decode_workers_model_thread_had_its_cores_alone(run):
     stdout = run["stdout"]
     assert "the decode worker's model thread alone on its cores" in stdout

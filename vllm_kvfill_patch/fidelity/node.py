@@ -4,7 +4,8 @@ NixlConnector, and the tool's proxy in front of them (`proxy`).
 Every prompt of a leg is prefilled first (the proxy's ``ahead`` phase, the
 prefill server keeping its blocks for the lease), then the same leg is
 replayed to the decode server, which reads each prompt's KV from prefill
-over NIXL: decode is measured with its cores not shared with prefill work.
+over NIXL: decode is measured with its cores not shared with prefill work,
+the prefill server's engine core paused (`DecodeNode.pause_prefill`).
 On the CPU, NIXL's worker pins the model's thread to the NUMA node's last
 core; the node puts it back on the cores vLLM bound it to and moves NIXL's
 threads, which spin, to the cores the worker leaves (`repin`).
@@ -17,6 +18,7 @@ import functools
 import json
 import os
 import re
+import signal
 import time
 import urllib.request
 from collections.abc import Callable
@@ -28,7 +30,7 @@ from vllm_kvfill_patch.fidelity.cores import (
     _session_processes,
     _threads,
 )
-from vllm_kvfill_patch.fidelity.serve import NOT_UP, Proxy, Server
+from vllm_kvfill_patch.fidelity.serve import NOT_UP, Phase, Proxy, Server
 from vllm_kvfill_patch.fidelity.transfers import Transfers, read_transfers
 from vllm_kvfill_patch.fidelity.wire import NIXL_REST_ENV, NIXL_THREADS
 
@@ -82,14 +84,26 @@ def metrics_page(base_url: str) -> str:
         return page.read().decode()
 
 
-def worker_processes(leader: int) -> list[int]:
-    """The model workers among the processes of the server `leader` started."""
+def named_processes(leader: int, prefix: str) -> list[int]:
+    """The processes of the server `leader` started whose name (vLLM sets
+    it: ``VLLM::Worker``, ``VLLM::EngineCore``) starts with `prefix`."""
     found = []
     for pid in _session_processes(leader):
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+            if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
                 found.append(pid)
     return found
+
+
+def worker_processes(leader: int) -> list[int]:
+    """The model workers among the processes of the server `leader` started."""
+    return named_processes(leader, "VLLM::Worker")
+
+
+def engine_processes(leader: int) -> list[int]:
+    """The engine cores among the processes of the server `leader` started
+    (the kernel keeps 15 characters of a name)."""
+    return named_processes(leader, "VLLM::EngineCor")
 
 
 STARTING_CHECK_SECONDS = 3.0
@@ -134,6 +148,51 @@ def repin(
                 idle(thread)
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has taken, all its threads (0 where it
+    ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_stopped(pid: int, timeout: float = 1.0) -> None:
+    """Until process `pid` has stopped (a signal is delivered when the
+    process next runs), or `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # ended
+            return
+        if stat[stat.rindex(")") + 2] in "Tt":
+            return
+        time.sleep(0.001)
+
+
+@dataclass
+class Pauses:
+    """The prefill server's engine core while decode was measured: how often
+    and how long it was paused, and the CPU it took meanwhile (none, where
+    the pause held)."""
+
+    count: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    since: tuple[float, float] | None = None
+    """Since when, and the CPU time it had then, while paused."""
+
+    def said(self) -> str:
+        return (
+            f"the prefill server's engine core paused while decode was measured "
+            f"({self.count}x, {self.seconds:.1f} s in all): it took "
+            f"{self.cpu_seconds:.2f} s of CPU meanwhile"
+        )
+
+
 @dataclass
 class DecodeNode(Server):
     """The decode server of a NIXL pair, measured as any server is; its
@@ -144,6 +203,7 @@ class DecodeNode(Server):
     received: dict[int, list[Transfers]] = field(default_factory=dict)
     """What each leg's requests received through NIXL, by concurrency."""
     before: tuple[Transfers, int] | None = None
+    pauses: Pauses = field(default_factory=Pauses)
 
     @property
     def pair(self) -> Server:
@@ -204,8 +264,48 @@ class DecodeNode(Server):
         return super().alive() and self.pair.alive()
 
     def stop(self) -> None:
+        self.resume_prefill()
         super().stop()
         self.pair.stop()
+
+    def pause_prefill(self) -> None:
+        """The prefill server's engine core stopped while decode is measured.
+        Holding a leg's prompts for decode, it steps its worker a thousand
+        times a second to learn which were read; on the cores decode's front
+        shares, that polling kept decode's engine core waiting (a prefill node
+        elsewhere does not). NIXL's reads need neither: the prefill worker's
+        progress thread serves them, and the worker sleeps a second after its
+        engine core's last message (`measure.IDLE_SPIN_SECONDS`)."""
+        engines = self.prefill_engines()
+        for pid in engines:
+            with contextlib.suppress(ProcessLookupError):  # ended: the leg says why
+                os.kill(pid, signal.SIGSTOP)
+        for pid in engines:
+            wait_stopped(pid)
+        self.pauses.since = (time.monotonic(), sum(map(cpu_seconds, engines)))
+
+    def resume_prefill(self) -> None:
+        """The prefill server's engine core running again: it frees the
+        blocks decode read, and prefills the next leg."""
+        engines = self.prefill_engines()
+        if self.pauses.since is not None:
+            started, cpu = self.pauses.since
+            self.pauses.count += 1
+            self.pauses.seconds += time.monotonic() - started
+            self.pauses.cpu_seconds += sum(map(cpu_seconds, engines)) - cpu
+            self.pauses.since = None
+        for pid in engines:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signal.SIGCONT)
+
+    def prefill_engines(self) -> list[int]:
+        process = self.pair.process
+        if process is None or process.poll() is not None:
+            return []
+        return engine_processes(process.pid)
+
+    def paused(self) -> str | None:
+        return self.pauses.said() if self.pauses.count else None
 
     def place(self) -> Placement | None:
         """The decode worker's model thread alone on its bound cores; its
@@ -264,30 +364,41 @@ class DecodeNode(Server):
 
     def prepare(self, bench: Callable[[str, Path], dict], result: Path) -> bool:
         """The leg's prompts prefilled ahead through the proxy, by the same
-        client with the same seed; the decode phase then replays them."""
+        client with the same seed; the prefill server is then paused, and
+        the proxy replays them to decode."""
         assert self.proxy is not None
-        self.proxy.ask("/phase", {"phase": "ahead"})
+        self.resume_prefill()
+        self.proxy.route(Phase.AHEAD)
         try:
             bench(self.client_url, result.with_suffix(".ahead.json"))
         finally:
-            self.proxy.ask("/phase", {"phase": "decode"})
-        inline = self.proxy.ask("/stats")["inline"]
-        self.before = (read_transfers(metrics_page(self.base_url)), inline)
+            self.proxy.route(Phase.REPLAY)
+        self.before = (read_transfers(metrics_page(self.base_url)), self.not_ahead())
+        self.pause_prefill()
         return True
+
+    def not_ahead(self) -> int:
+        """Prompts the proxy prefilled inline or refused: none were
+        prefilled ahead."""
+        assert self.proxy is not None
+        counts = self.proxy.ask("/stats")
+        return int(counts["inline"] + counts["refused"])
 
     def check(self, requests: int, concurrency: int) -> None:
         """Raises RuntimeError where the leg's requests were not decoded
         from KV that arrived through NIXL, or were prefilled while decode
         was measured."""
         assert self.proxy is not None and self.before is not None
-        transfers, inline = self.before
+        self.resume_prefill()
+        self.proxy.route(Phase.DECODE)
+        transfers, not_ahead = self.before
         received = read_transfers(metrics_page(self.base_url)).minus(transfers)
         self.received.setdefault(concurrency, []).append(received)
         if problem := received.problem(requests):
             raise RuntimeError(f"{self.name}: {problem}")
-        late = self.proxy.ask("/stats")["inline"] - inline
+        late = self.not_ahead() - not_ahead
         if late:
             raise RuntimeError(
-                f"{self.name}: {late} prompts were not prefilled ahead: prefill "
-                "ran while decode was measured"
+                f"{self.name}: {late} prompts were not prefilled ahead of the "
+                "leg that decoded them"
             )

@@ -3,10 +3,7 @@
 Every leg goes through it, so its hop is in every mode's figures. With a
 prefill server it routes as a prefill/decode deployment does: the prompt
 to prefill with ``do_remote_decode`` and one token, then to decode with
-the ``kv_transfer_params`` prefill returned. In the ``ahead`` phase it
-prefills and keeps those parameters by prompt (the client gets a one-token
-answer), so that the ``decode`` phase replays the same prompts to decode
-alone, its cores not shared with prefill work.
+the ``kv_transfer_params`` prefill returned, as `serve.Phase` says.
 """
 
 from __future__ import annotations
@@ -17,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import ClientSession, ClientTimeout, web
+
+from vllm_kvfill_patch.fidelity.serve import Phase
 
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -40,13 +39,19 @@ class Routes:
 
     decode: str
     prefill: str | None
-    phase: str = "decode"
+    phase: Phase = Phase.DECODE
     ahead: dict[str, list[dict]] = field(default_factory=dict)
     """Transfer parameters by prompt, in the order they were prefilled: a
     prompt sent twice (vLLM's client tests its first one) is read twice."""
     counts: dict[str, int] = field(
-        default_factory=lambda: {"ahead": 0, "replayed": 0, "inline": 0, "passed": 0}
+        default_factory=lambda: dict.fromkeys(
+            ("ahead", "replayed", "inline", "refused", "passed"), 0
+        )
     )
+
+
+ROUTES = web.AppKey("routes", Routes)
+SESSION = web.AppKey("session", ClientSession)
 
 
 async def prefill(session: ClientSession, routes: Routes, body: dict) -> dict:
@@ -79,15 +84,18 @@ def prefill_request(body: dict) -> dict:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    routes: Routes = request.app["routes"]
-    session: ClientSession = request.app["session"]
+    routes: Routes = request.app[ROUTES]
+    session: ClientSession = request.app[SESSION]
     body = await request.json()
     if routes.prefill is not None:
         waiting = routes.ahead.setdefault(prompt_key(body), [])
-        if routes.phase == "ahead":
+        if routes.phase is Phase.AHEAD:
             waiting.append(await prefill(session, routes, body))
             routes.counts["ahead"] += 1
             return web.Response(body=ONE_TOKEN_ANSWER, content_type="text/event-stream")
+        if routes.phase is Phase.REPLAY and not waiting:
+            routes.counts["refused"] += 1
+            raise web.HTTPBadGateway(text="not prefilled ahead, and prefill is paused")
         routes.counts["replayed" if waiting else "inline"] += 1
         body["kv_transfer_params"] = (
             waiting.pop(0) if waiting else await prefill(session, routes, body)
@@ -113,8 +121,8 @@ async def relay(
 
 async def health(request: web.Request) -> web.Response:
     """200 when every server behind the proxy answers its own /health."""
-    routes: Routes = request.app["routes"]
-    session: ClientSession = request.app["session"]
+    routes: Routes = request.app[ROUTES]
+    session: ClientSession = request.app[SESSION]
     for base in filter(None, (routes.decode, routes.prefill)):
         try:
             async with session.get(f"{base}/health") as reply:
@@ -126,13 +134,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def phase(request: web.Request) -> web.Response:
-    routes: Routes = request.app["routes"]
-    routes.phase = (await request.json())["phase"]
-    return web.json_response({"phase": routes.phase, "held": held(routes)})
+    routes: Routes = request.app[ROUTES]
+    routes.phase = Phase((await request.json())["phase"])
+    return web.json_response({"phase": routes.phase.value, "held": held(routes)})
 
 
 async def stats(request: web.Request) -> web.Response:
-    routes: Routes = request.app["routes"]
+    routes: Routes = request.app[ROUTES]
     return web.json_response({**routes.counts, "held": held(routes)})
 
 
@@ -143,12 +151,12 @@ def held(routes: Routes) -> int:
 
 def application(routes: Routes) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
-    app["routes"] = routes
+    app[ROUTES] = routes
 
     async def open_session(app: web.Application) -> AsyncIterator[None]:
-        app["session"] = ClientSession(timeout=ClientTimeout(total=None))
+        app[SESSION] = ClientSession(timeout=ClientTimeout(total=None))
         yield
-        await app["session"].close()
+        await app[SESSION].close()
 
     app.cleanup_ctx.append(open_session)
     app.add_routes(

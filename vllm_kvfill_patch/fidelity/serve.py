@@ -6,6 +6,7 @@ probe's control channel (`wire`)."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import re
@@ -73,6 +74,22 @@ engine and worker processes, or another program, take ports of their own
 meanwhile) is started again on another port, up to this many times."""
 
 
+class Phase(str, enum.Enum):
+    """How the proxy routes a request, where a prefill server stands behind
+    it."""
+
+    DECODE = "decode"
+    """Prefill, then decode: a prompt prefilled ahead is replayed instead."""
+    AHEAD = "ahead"
+    """Prefill only, its transfer parameters kept by prompt (the client gets
+    a one-token answer), so that a replay decodes the same prompts alone,
+    its cores not shared with prefill work."""
+    REPLAY = "replay"
+    """Decode only, of prompts prefilled ahead: the prefill server is paused
+    (`node.DecodeNode.pause_prefill`), so a prompt not prefilled ahead is
+    refused (502), not prefilled."""
+
+
 @dataclass
 class Proxy:
     """The tool's proxy process (`proxy`), in front of one server or a pair."""
@@ -112,6 +129,10 @@ class Proxy:
         )
         with urllib.request.urlopen(request, timeout=30) as reply:
             return json.loads(reply.read())
+
+    def route(self, phase: Phase) -> None:
+        """Requests routed as `phase` says from now on."""
+        self.ask("/phase", {"phase": phase.value})
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -176,6 +197,11 @@ class Server:
     def transfers(self, concurrency: int | None = None) -> Transfers | None:
         """What it received through NIXL (at `concurrency`, else in all):
         None here (a server that takes no KV from another)."""
+        return None
+
+    def paused(self) -> str | None:
+        """What the tool paused while its legs were measured, in words: None
+        here (`node.DecodeNode` pauses its prefill server's engine core)."""
         return None
 
     def cores_said(self, placement: Placement) -> str:
