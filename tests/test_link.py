@@ -5,8 +5,9 @@ vLLM's real ``Scheduler`` of the installed release builds the real
 DecodeBenchConnector from a real VllmConfig; two real worker-role connectors
 (two tensor-parallel ranks, each with its own pool) fill what the scheduler's
 metadata hands them and report it from ``get_finished``; vLLM's own
-``KVOutputAggregator`` counts the ranks' reports. The link's clock is the
-test's, so that arrivals come exactly when the model says.
+``KVOutputAggregator`` counts the ranks' reports. The clock of the link and
+of the workers is the test's, so that arrivals come exactly when the model
+says.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tests.hybrid import (
     make_request,
     make_worker_connector,
 )
+from vllm_kvfill_patch.link import arrivals_of
 
 NUM_BLOCKS = 64
 RANKS = 2
@@ -91,6 +93,8 @@ class Node:
         self.link = getattr(scheduler_side, "_kvfill_link", None)
         if self.link is not None:
             self.link.clock = self.clock
+        for rank in self.ranks:
+            arrivals_of(rank.connector_worker).clock = self.clock
         self.reports: list[list[set]] = []
         """Per step, what each rank reported received."""
 
@@ -99,9 +103,10 @@ class Node:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, advance_ms: int = 0):
-        """One scheduler step: schedule, each rank's connector, the
-        aggregated output back to the scheduler."""
+    def step(self, advance_ms: int = 0, forward_ms: int = 0):
+        """One scheduler step: schedule, each rank's connector (its forward
+        pass taking `forward_ms` between ``start_load_kv`` and
+        ``get_finished``), the aggregated output back to the scheduler."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
         fields_of = runner_output_fields()
@@ -117,6 +122,8 @@ class Node:
         for rank in self.ranks:
             rank.bind_connector_metadata(output.kv_connector_metadata)
             rank.start_load_kv(None)
+        self.clock.ms += forward_ms
+        for rank in self.ranks:
             sending, recving = rank.get_finished(output.finished_req_ids)
             rank.clear_connector_metadata()
             reported.append(set(recving or ()))
@@ -216,6 +223,25 @@ def test_a_request_waits_for_its_kv_and_runs_once_every_rank_reported(node_for):
     for _ in range(3):
         node.step(advance_ms=10)
     assert [reports for reports in node.reports if any(reports)] == [[{"r"}, {"r"}]]
+
+
+def test_a_transfer_is_reported_at_the_end_of_the_step_it_arrives_in(node_for):
+    """As NIXL's worker starts a read when its step starts and reports it at
+    the end of the first step that finds it done: 5 ms of latency, a forward
+    pass of 4 ms is too short, and a transfer that arrives during the
+    admitting step's forward pass (10 ms) is reported at that step's end."""
+    node = node_for(transfer_latency_ms=5)
+    node.add("r")
+    node.step(forward_ms=4)
+    assert node.reports[-1] == [set(), set()]
+    node.step(forward_ms=1)
+    assert node.reports[-1] == [{"r"}, {"r"}]
+    assert dict(node.step().num_scheduled_tokens) == {"r": 1}
+    node.add("s")
+    admitting = node.step(forward_ms=10)
+    assert "s" not in admitting.num_scheduled_tokens
+    assert node.reports[-1] == [{"s"}, {"s"}]
+    assert "s" in node.step().num_scheduled_tokens
 
 
 def test_one_ranks_report_is_not_enough_for_vllms_aggregator(node_for):

@@ -719,8 +719,8 @@ def graphs(device: torch.device) -> Verdict:
 
 
 def link_arrivals(device: torch.device) -> Verdict:
-    """The link model's arrivals (``link``): filled on the worker's own
-    stream after the work queued before them, reported from ``get_finished``
+    """The link model's arrivals (``link``): filled from ``get_finished`` on
+    the worker's own stream after the work queued before them, and reported
     only once that fill is done, and once. Behind a device sleep on the
     current stream nothing is reported and the host does not wait; after
     it, the step's ids are, and then never again."""
@@ -729,7 +729,10 @@ def link_arrivals(device: torch.device) -> Verdict:
         buffer_maker(device, 2), 64
     )
     worker, layout = workers_for(rig, False)[0]
-    metadata = SimpleNamespace(**{link.ARRIVED_ATTR: ("r0", "r1")})
+    setattr(worker, worker_step().LAYOUT_ATTR, layout)
+    fill = (tuple(step_block_ids(rig, 1, 5)[0]), 16)
+    arrived = {"r0": (fill, 0.0), "r1": (fill, 0.0)}
+    metadata = SimpleNamespace(**{link.TRANSFERS_ATTR: arrived})
     connector = SimpleNamespace(connector_worker=worker, _connector_metadata=metadata)
 
     def reported() -> set:
@@ -740,10 +743,6 @@ def link_arrivals(device: torch.device) -> Verdict:
 
     torch.cuda._sleep(sleep_cycles(device))
     start = time.perf_counter()
-    with link.arrival_stream(worker, metadata):
-        worker_step().fill_groups(
-            worker, layout, dict(enumerate(step_block_ids(rig, 1, 5)[0]))
-        )
     early = reported()
     host = time.perf_counter() - start
     torch.cuda.synchronize(device)

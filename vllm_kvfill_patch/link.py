@@ -4,11 +4,12 @@ arrives over a modelled link, through vLLM's own async-load path.
 Target
     ``vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector``:
     ``DecodeBenchConnector.get_num_new_matched_tokens`` (:func:`answer_async`),
-    ``DecodeBenchConnector.build_connector_meta`` (:func:`hand_over_arrivals`),
+    ``DecodeBenchConnector.build_connector_meta`` (:func:`send_transfers`),
     ``DecodeBenchConnectorScheduler.request_finished`` (:func:`drop_in_flight`)
     on the scheduler side; ``DecodeBenchConnector.get_finished``
     (:func:`report_arrivals`, inherited from vLLM's base connector) on each
-    worker. The fill itself stays ``worker_step``'s.
+    worker, which takes the step's transfers in ``worker_step.load_step``.
+    The fill itself stays ``worker_step``'s (``fill_arrived``).
 
 Why
     A real decode node (NixlConnector) answers ``(n, True)``: the request
@@ -30,12 +31,17 @@ How
     KV-cache specs (one link per rank: ranks read in parallel). It finishes at
     ``max(admitted + latency, the previous transfer's finish) + bytes /
     bandwidth``: one link, first come first served. At each ``schedule()``,
-    the fills upstream recorded are taken into the link, and those that have
-    arrived are handed to the workers as fills, with their ids. Each worker
-    fills them, then reports them from ``get_finished`` once; on a GPU the
-    fill runs on a stream of its own and is reported once its event is done,
-    never waited for on the host. A request aborted in flight is not filled:
-    it is reported at the next step, so that vLLM frees its blocks.
+    the fills upstream recorded go on the link and, in the step's metadata,
+    to the workers with the time they take; upstream's metadata is left
+    nothing to fill. Each worker starts them when its step starts, as a NIXL
+    worker starts its reads; at the end of every step (``get_finished``) it
+    fills the ones that have arrived and reports each once, as NIXL's worker
+    reports the reads it finds done: a transfer shorter than the admitting
+    step's forward pass is reported by that step. On a GPU the fill runs on
+    a stream of its own and is reported once its event is done, never waited
+    for on the host. A request aborted in flight is not filled: the next
+    step's metadata drops it, and the workers report it, so that vLLM frees
+    its blocks.
 
 Upstream
     The protocol: #17751 (``WAITING_FOR_REMOTE_KVS``, ``finished_recving``),
@@ -62,18 +68,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 LINK_ATTR = "_kvfill_link"
 """On the connector's scheduler side: its :class:`Link` (absent: no link model)."""
-ARRIVED_ATTR = "_kvfill_arrived"
-"""On a step's connector metadata: the ids of the transfers to report finished."""
-REPORTS_ATTR = "_kvfill_reports"
-"""On a worker: the arrivals it has not reported yet (:class:`Reports`)."""
+TRANSFERS_ATTR = "_kvfill_transfers"
+"""On a step's connector metadata: the transfers the step started, by request
+id: the fill, and the seconds until it arrives."""
+DROPPED_ATTR = "_kvfill_dropped"
+"""On a step's connector metadata: the ids of transfers aborted in flight."""
+ARRIVALS_ATTR = "_kvfill_arrivals"
+"""On a worker: its transfers in flight and its fills not reported yet
+(:class:`Arrivals`)."""
 
 Fill = tuple[tuple[list[int], ...], int]
 """Upstream's recorded fill: the block ids of each group, and the tokens."""
@@ -101,14 +110,9 @@ class LinkModel:
 
 
 @dataclass
-class Transfer:
-    fill: Fill
-    finish_at: float
-
-
-@dataclass
 class Link:
-    """The scheduler side's transfers: admitted, in flight, arrived."""
+    """The scheduler side's link: when each transfer it starts will arrive,
+    and which are still in flight as far as the scheduler knows."""
 
     model: LinkModel
     bytes_per_block: tuple[int, ...]
@@ -116,38 +120,42 @@ class Link:
     clock: Callable[[], float] = time.monotonic
     free_at: float = -math.inf
     """When the link is done with the transfers admitted so far."""
-    in_flight: dict[str, Transfer] = field(default_factory=dict)
+    in_flight: set[str] = field(default_factory=set)
+    """Started, and not scheduled yet (the workers may still hold them)."""
     dropped: list[str] = field(default_factory=list)
-    """Transfers aborted in flight, to report without a fill."""
+    """Transfers aborted in flight, for the workers to report without a fill."""
 
-    def admit(self, fills: Mapping[str, Fill]) -> None:
-        """Start a transfer for each fill, in order, on the one link."""
+    def admit(self, fills: Mapping[str, Fill]) -> dict[str, tuple[Fill, float]]:
+        """Start a transfer for each fill, in order, on the one link: each
+        fill with the seconds until it arrives."""
         now = self.clock()
+        started = {}
         for request_id, fill in fills.items():
             nbytes = self.bytes_of(fill[0])
             start = max(now + self.model.latency_ms / 1e3, self.free_at)
             self.free_at = start + self.model.seconds_for(nbytes)
-            self.in_flight[request_id] = Transfer(fill, self.free_at)
+            started[request_id] = (fill, self.free_at - now)
+            self.in_flight.add(request_id)
+        return started
 
     def bytes_of(self, block_ids_per_group: tuple[list[int], ...]) -> int:
         # Not strict: a latency alone has no bytes per block (an old vLLM).
         pairs = zip(block_ids_per_group, self.bytes_per_block, strict=False)
         return sum(len(block_ids) * nbytes for block_ids, nbytes in pairs)
 
-    def arrived(self) -> dict[str, Fill]:
-        """The fills whose transfers have finished by now, taken out."""
-        now = self.clock()
-        done = [rid for rid, t in self.in_flight.items() if t.finish_at <= now]
-        return {rid: self.in_flight.pop(rid).fill for rid in done}
+    def scheduled(self, request_ids: Iterable[str]) -> None:
+        """Requests scheduled: their transfers arrived, every rank reported."""
+        self.in_flight.difference_update(request_ids)
 
     def drop(self, request_id: str) -> None:
         """A request finished (aborted) while its transfer is in flight."""
-        if self.in_flight.pop(request_id, None) is not None:
+        if request_id in self.in_flight:
+            self.in_flight.discard(request_id)
             self.dropped.append(request_id)
 
-    def take_dropped(self) -> list[str]:
+    def take_dropped(self) -> tuple[str, ...]:
         dropped, self.dropped = self.dropped, []
-        return dropped
+        return tuple(dropped)
 
 
 def bytes_per_block(kv_cache_config: Any) -> tuple[int, ...]:
@@ -211,19 +219,20 @@ def answer_async(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any
     return matched, load_async
 
 
-def hand_over_arrivals(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+def send_transfers(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
     """Wrapper of ``DecodeBenchConnector.build_connector_meta``: the fills
-    recorded this step go on the link; the arrived ones go to the workers."""
+    recorded this step go on the link, and to the workers as transfers with
+    the time they take; upstream's metadata is left nothing to fill now."""
     scheduler = connector.connector_scheduler
     link = link_of(scheduler)
     if link is None:
         return wrapped(*args, **kwargs)
-    link.admit(scheduler._pending_fills)
+    link.scheduled(_scheduler_output_argument(*args, **kwargs).num_scheduled_tokens)
+    transfers = link.admit(scheduler._pending_fills)
     scheduler._pending_fills.clear()
-    arrived = link.arrived()
-    scheduler._pending_fills.update(arrived)
     metadata = wrapped(*args, **kwargs)
-    setattr(metadata, ARRIVED_ATTR, (*arrived, *link.take_dropped()))
+    setattr(metadata, TRANSFERS_ATTR, transfers)
+    setattr(metadata, DROPPED_ATTR, link.take_dropped())
     return metadata
 
 
@@ -236,86 +245,88 @@ def drop_in_flight(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> A
 
 
 @dataclass
-class Reports:
-    """A worker's arrivals not reported yet: ids, and the event their fill
-    recorded on the arrival stream (None: done when the step's work is)."""
+class Arrivals:
+    """A worker's transfers in flight, by request id (the fill, and when it
+    arrives by this worker's clock), and its arrived fills not reported yet
+    (ids, and the event their fill recorded; None: done)."""
 
-    pending: list[tuple[tuple[str, ...], Any]] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+    in_flight: dict[str, tuple[Fill, float]] = field(default_factory=dict)
+    unreported: list[tuple[tuple[str, ...], Any]] = field(default_factory=list)
     seen: Any = None
-    """The metadata whose arrivals were taken last: each step's, once."""
-    stream: Any = None
-    event_for: tuple[Any, Any] = (None, None)
-    """(metadata, event): the event recorded after that metadata's fill."""
+    """The metadata whose transfers were taken last: each step's, once."""
+
+    def take(self, metadata: Any) -> None:
+        """The step's transfers, started now on this worker as a NIXL read
+        is when its worker gets the step; the dropped ones reported unfilled."""
+        if metadata is None or metadata is self.seen:
+            return
+        self.seen = metadata
+        now = self.clock()
+        transfers = getattr(metadata, TRANSFERS_ATTR, {})
+        for request_id, (fill, seconds) in transfers.items():
+            self.in_flight[request_id] = (fill, now + seconds)
+        for request_id in getattr(metadata, DROPPED_ATTR, ()):
+            if self.in_flight.pop(request_id, None) is not None:
+                self.unreported.append(((request_id,), None))
+
+    def arrived(self) -> dict[str, Fill]:
+        """The fills whose transfers have arrived by now, taken out."""
+        now = self.clock()
+        done = [rid for rid, (_, at) in self.in_flight.items() if at <= now]
+        return {rid: self.in_flight.pop(rid)[0] for rid in done}
 
     def ready(self) -> set[str]:
         """The ids whose fills are done, taken out."""
         done: set[str] = set()
         waiting = []
-        for ids, event in self.pending:
+        for ids, event in self.unreported:
             if event is None or event.query():
                 done.update(ids)
             else:
                 waiting.append((ids, event))
-        self.pending = waiting
+        self.unreported = waiting
         return done
 
 
-def reports_of(worker: Any) -> Reports:
-    reports = getattr(worker, REPORTS_ATTR, None)
-    if reports is None:
-        reports = Reports()
-        setattr(worker, REPORTS_ATTR, reports)
-    return reports
+def arrivals_of(worker: Any) -> Arrivals:
+    arrivals = getattr(worker, ARRIVALS_ATTR, None)
+    if arrivals is None:
+        arrivals = Arrivals()
+        setattr(worker, ARRIVALS_ATTR, arrivals)
+    return arrivals
+
+
+def take_transfers(worker: Any, metadata: Any) -> None:
+    """At the start of the worker's step (``worker_step.load_step``): the
+    transfers the scheduler started this step begin on this worker."""
+    if hasattr(metadata, TRANSFERS_ATTR):
+        arrivals_of(worker).take(metadata)
 
 
 def report_arrivals(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of ``DecodeBenchConnector.get_finished``: a worker reports
-    each arrival once, after its fill is done."""
+    """Wrapper of ``DecodeBenchConnector.get_finished``, at the end of each
+    step: the transfers that have arrived are filled, and each is reported
+    once its fill is done, as NIXL's worker reports a read it finds done."""
     sending, recving = wrapped(*args, **kwargs)
     worker = getattr(connector, "connector_worker", None)
-    metadata = getattr(connector, "_connector_metadata", None)
     if worker is None:
         return sending, recving
-    reports = reports_of(worker)
-    arrived = getattr(metadata, ARRIVED_ATTR, ())
-    if arrived and reports.seen is not metadata:
-        event_metadata, event = reports.event_for
-        reports.pending.append(
-            (tuple(arrived), event if event_metadata is metadata else None)
-        )
-    reports.seen = metadata
-    ready = reports.ready()
-    if ready:
+    arrivals = arrivals_of(worker)
+    arrivals.take(getattr(connector, "_connector_metadata", None))
+    if arrived := arrivals.arrived():
+        # Here: worker_step imports this module.
+        from vllm_kvfill_patch.worker_step import fill_arrived
+
+        event = fill_arrived(connector, worker, arrived)
+        arrivals.unreported.append((tuple(arrived), event))
+    if ready := arrivals.ready():
         recving = set(recving or ()) | ready
     return sending, recving
 
 
-@contextmanager
-def arrival_stream(worker: Any, metadata: Any) -> Iterator[None]:
-    """Where a step's arrivals are filled: on a CUDA cache, a stream of the
-    worker's own, after the work already queued, with an event that tells
-    :func:`report_arrivals` when it is done; elsewhere, in place."""
-    if not getattr(metadata, ARRIVED_ATTR, ()) or not _on_cuda(worker.kv_caches):
-        yield
-        return
-    import torch  # here: the installer imports this module before vLLM is
-
-    reports = reports_of(worker)
-    if reports.stream is None:
-        reports.stream = torch.cuda.Stream()
-    reports.stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(reports.stream):
-        yield
-    event = torch.cuda.Event()
-    event.record(reports.stream)
-    reports.event_for = (metadata, event)
-
-
-def _on_cuda(kv_caches: Any) -> bool:
-    first = next(iter((kv_caches or {}).values()), None)
-    if isinstance(first, (list, tuple)):
-        first = first[0] if first else None
-    return bool(getattr(first, "is_cuda", False))
+def _scheduler_output_argument(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    return scheduler_output
 
 
 def _request_argument(request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -324,7 +335,7 @@ def _request_argument(request: Any, *args: Any, **kwargs: Any) -> Any:
 
 WRAPPERS = {
     "DecodeBenchConnector.get_num_new_matched_tokens": answer_async,
-    "DecodeBenchConnector.build_connector_meta": hand_over_arrivals,
+    "DecodeBenchConnector.build_connector_meta": send_transfers,
     "DecodeBenchConnectorScheduler.request_finished": drop_in_flight,
     "DecodeBenchConnector.get_finished": report_arrivals,
 }

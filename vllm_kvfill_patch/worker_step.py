@@ -110,11 +110,13 @@ from vllm_kvfill_patch.fill import (
     group_pages,
     writes_zeros,
 )
-from vllm_kvfill_patch.link import arrival_stream
+from vllm_kvfill_patch.link import take_transfers
 
 logger = init_logger("vllm.kvfill_patch")
 
 LAYOUT_ATTR = "_kvfill_layout"
+ARRIVAL_STREAM_ATTR = "_kvfill_arrival_stream"
+"""On a worker with CUDA caches: the stream its link arrivals are filled on."""
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,14 @@ def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
         or getattr(worker, "kv_caches", None) is None  # a step before registration
     ):
         return wrapped(*args, **kwargs)  # upstream's own answer to misuse
-    if not metadata.reqs_to_fill:
-        return None
+    take_transfers(worker, metadata)
+    if metadata.reqs_to_fill:
+        fill_step(worker, layout_of(connector, worker), metadata.reqs_to_fill)
+    return None
+
+
+def layout_of(connector: Any, worker: Any) -> CacheLayout:
+    """The worker's cache layout, worked out at its first fill."""
     layout = current_layout(worker)
     if layout is None:
         layout = layout_from(
@@ -203,9 +211,36 @@ def load_step(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> None:
             len(layout.group_to_layers),
             layout.num_blocks,
         )
-    with arrival_stream(worker, metadata):
-        fill_step(worker, layout, metadata.reqs_to_fill)
-    return None
+    return layout
+
+
+def fill_arrived(connector: Any, worker: Any, requests: dict) -> Any:
+    """Fill the requests whose KV has arrived over the link (`link`), as
+    `fill_step` does. On a CUDA cache the fill runs on a stream of the
+    worker's own, after the work already queued, and the event recorded
+    after it is returned, so that the report waits on it and never the host;
+    elsewhere it is done on return (None)."""
+    layout = layout_of(connector, worker)
+    if not _on_cuda(worker.kv_caches):
+        fill_step(worker, layout, requests)
+        return None
+    stream = getattr(worker, ARRIVAL_STREAM_ATTR, None)
+    if stream is None:
+        stream = torch.cuda.Stream()
+        setattr(worker, ARRIVAL_STREAM_ATTR, stream)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fill_step(worker, layout, requests)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _on_cuda(kv_caches: Any) -> bool:
+    first = next(iter((kv_caches or {}).values()), None)
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return bool(getattr(first, "is_cuda", False))
 
 
 def fill_step(worker: Any, layout: CacheLayout, requests: dict) -> None:

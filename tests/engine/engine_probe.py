@@ -85,23 +85,27 @@ def install_spy(record: Callable[[dict], None]) -> None:
         upstream (and so the overlay) fills with zeros."""
         return 0.015 if tensor.is_floating_point() else 0.0
 
-    def spy(wrapped, connector, args, kwargs):
-        requests = connector._connector_metadata.reqs_to_fill
-        if not requests:
-            return wrapped(*args, **kwargs)
+    def group_ids(requests) -> dict:
+        block_ids_by_group: dict = {}
+        for block_ids_per_group, _ in requests.values():
+            for group_idx, block_ids in enumerate(block_ids_per_group):
+                block_ids_by_group.setdefault(group_idx, set()).update(block_ids)
+        return block_ids_by_group
+
+    def observed(connector, watched, call, filled_of):
+        """`call` run, with a sentinel first in the rows of the `watched`
+        requests ({id: (block ids per group, tokens)}): what it changed in
+        every cache, against the requests it should have filled
+        (`filled_of` its result) and their values."""
         worker, kv_cache_config = connector.connector_worker, connector._kv_cache_config
         num_blocks = kv_cache_config.num_blocks
         layers_of = [
             [name for name in group.layer_names if name in worker.kv_caches]
             for group in kv_cache_config.kv_cache_groups
         ]
-        block_ids_by_group: dict = {}
-        for block_ids_per_group, _ in requests.values():
-            for group_idx, block_ids in enumerate(block_ids_per_group):
-                block_ids_by_group.setdefault(group_idx, set()).update(block_ids)
         # A sentinel in the rows about to be filled: a fill that writes what
         # was there already (zeros into fresh int8 Mamba pages) still shows.
-        for group_idx, block_ids in block_ids_by_group.items():
+        for group_idx, block_ids in group_ids(watched).items():
             for name in layers_of[group_idx]:
                 for t in tensors(worker.kv_caches[name]):
                     ratio = t.shape[0] // num_blocks
@@ -112,7 +116,9 @@ def install_spy(record: Callable[[dict], None]) -> None:
             name: [t.clone() for t in tensors(cache)]
             for name, cache in worker.kv_caches.items()
         }
-        result = wrapped(*args, **kwargs)
+        result = call()
+        requests = filled_of(result)
+        block_ids_by_group = group_ids(requests)
         changed, split = {}, {}
         for name, cache in worker.kv_caches.items():
             rows = set()
@@ -129,22 +135,43 @@ def install_spy(record: Callable[[dict], None]) -> None:
             for b in block_ids
             if 0 < b < num_blocks
         )
-        record(
-            {
-                "requests": len(requests),
-                "block_ids_by_group": {
-                    g: sorted(ids) for g, ids in block_ids_by_group.items()
-                },
-                "layers_by_group": {g: list(layers_of[g]) for g in block_ids_by_group},
-                "changed_rows": changed,
-                "kernel_split": split,
-                "filled_values_ok": filled_values_ok,
-            }
+        return result, {
+            "requests": len(requests),
+            "block_ids_by_group": {
+                g: sorted(ids) for g, ids in block_ids_by_group.items()
+            },
+            "layers_by_group": {g: list(layers_of[g]) for g in block_ids_by_group},
+            "changed_rows": changed,
+            "kernel_split": split,
+            "filled_values_ok": filled_values_ok,
+        }
+
+    def spy(wrapped, connector, args, kwargs):
+        requests = connector._connector_metadata.reqs_to_fill
+        if not requests:
+            return wrapped(*args, **kwargs)
+        result, found = observed(
+            connector, requests, lambda: wrapped(*args, **kwargs), lambda _: requests
         )
+        record(found)
+        return result
+
+    def link_spy(wrapped, module, args, kwargs):
+        """With the link model, a request's fill lands when its transfer
+        arrives, from ``get_finished`` (``worker_step.fill_arrived``, which
+        the link part calls by its module's name): watched there."""
+        connector, _worker, requests = args
+        result, found = observed(
+            connector, requests, lambda: wrapped(*args, **kwargs), lambda _: requests
+        )
+        record(found)
         return result
 
     wrapt.wrap_function_wrapper(
         decode_bench_connector, "DecodeBenchConnector.start_load_kv", spy
+    )
+    wrapt.wrap_function_wrapper(
+        "vllm_kvfill_patch.worker_step", "fill_arrived", link_spy
     )
     SPIES.append(spy)
     del torch
