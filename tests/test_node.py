@@ -52,6 +52,7 @@ vllm:prompt_tokens_by_source_total{{{LABELS},source="external_kv_transfer"}} 408
 def test_the_transfers_are_read_from_vllms_metrics():
     received = read_transfers(PAGE)
     assert (received.count, received.bytes, received.failed) == (8, 3780608, 0)
+    assert received.total_seconds == pytest.approx(0.12)
     assert (received.external_tokens, received.local_tokens) == (4088, 8)
     assert received.problem(8) is None
     assert "472,576 a request" in received.said()
@@ -199,15 +200,28 @@ def test_the_transfers_are_kept_per_concurrency(tmp_path):
     assert node.transfers(1).count == 16 and node.transfers().count == 24
 
 
-def test_the_link_is_the_nodes_wait_for_kv_at_its_lowest_concurrency():
+def test_the_link_carries_the_nodes_mean_transfer_in_its_mean_time():
+    """Eight transfers of 472,576 bytes in 0.12 s together (15 ms each): a
+    link of 472,576 x 8 bits in 15 ms, no latency besides."""
+    received = read_transfers(PAGE)
+    assert received.mean_seconds() == pytest.approx(0.015)
+    assert fitted_link(received) == (0.0, round(472_576 * 8 / 0.015 / 1e9, 3))
+    assert fitted_link(None) is None
+    assert (
+        fitted_link(
+            read_transfers(
+                PAGE.replace("_count{" + LABELS + "} 8.0", "_count{" + LABELS + "} 0.0")
+            )
+        )
+        is None
+    )
+
+
+def test_the_kv_wait_p50_is_in_the_table():
     cells = node_cells()
-    assert fitted_link(cells) is None  # no wait recorded
-    waits = {1: [0.030, 0.040, 0.050], 8: [0.5, 0.6]}
-    for concurrency, measured in waits.items():
-        node = cell([1, 1], [1, 1])
-        node.legs[0]["kv_waits"] = measured
-        cells[Key("main", concurrency, NODE.name)] = node
-    assert fitted_link(cells) == (40.0, None)
+    node = cell([1, 1], [1, 1])
+    node.legs[0]["kv_waits"] = [0.030, 0.040, 0.050]
+    cells[Key("main", 1, NODE.name)] = node
     found, _ = rows(cells)  # type: ignore[arg-type]
     line = next(
         line

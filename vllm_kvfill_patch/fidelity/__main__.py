@@ -48,6 +48,7 @@ from vllm_kvfill_patch.fidelity.serve import Server, first_error, free_port
 from vllm_kvfill_patch.fidelity.stats import Standing
 from vllm_kvfill_patch.fidelity.summary import report
 from vllm_kvfill_patch.fidelity.wire import DECODE_TOKENS_ENV, SUBNORMALS_ENV
+from vllm_kvfill_patch.link import LinkModel
 
 EMBEDDED_SERVE_ARGUMENTS = [
     "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
@@ -209,23 +210,29 @@ class Run:
 
     def link_to_node(self, plan: Plan) -> Plan:
         """The plan, its linked modes crossing the link fitted to the real
-        node's waits for KV (`node_report.fitted_link`), where ``--link`` did
-        not set one; without a wait measured, they do not run."""
+        node's transfers at its lowest concurrency (`node_report.fitted_link`),
+        where ``--link`` did not set one; without transfers timed, they do
+        not run."""
         linked = [mode for mode in plan.main.modes if mode.linked]
         if not linked or self.args.link:
             return plan
-        fitted = fitted_link(self.measurer.cells)
-        if fitted is None:
-            why = "no link model: the real node measured no wait for KV"
+        lowest = min(plan.main.concurrencies)
+        transfers = next(
+            (found for s in self.servers if (found := s.transfers(lowest))), None
+        )
+        fitted = fitted_link(transfers)
+        if transfers is None or fitted is None:
+            why = "no link model: the real node timed no transfer"
             for mode in linked:
                 for concurrency in plan.main.concurrencies:
                     key = Key(plan.main.name, concurrency, mode.name)
                     self.measurer.cells.setdefault(key, Cell()).error = why
             return plan
+        mean = transfers.mean_seconds() or 0.0
         self.say(
-            f"the link: latency {fitted[0]:g} ms, no bandwidth limit: the real "
-            f"node's requests' wait for their KV at C={min(plan.main.concurrencies)} "
-            "(p50, admitted to scheduled)"
+            f"the link: {LinkModel(*fitted)}: the real node's transfers at C={lowest}, "
+            f"{transfers.bytes_each():,.0f} bytes in {mean * 1e3:.2f} ms on average "
+            "(NIXL's own timing, post to completion)"
         )
         return plan.with_link(fitted)
 

@@ -54,7 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if linked and "decode-node" not in args.modes and args.link is None:
         parser.error(
             f"{' and '.join(linked)} take their link from the decode-node mode's "
-            "waits for KV: add decode-node to --modes, or give --link"
+            "transfers: add decode-node to --modes, or give --link"
         )
     return args
 
@@ -111,7 +111,8 @@ def add_workload(group: argparse._ArgumentGroup) -> None:
         "--link", type=link_argument, metavar="LATENCY_MS,GBPS",
         help="the link model of package+link and ideal+link "
         "(transfer_latency_ms, transfer_gbps per rank; GBPS empty: no limit); "
-        "default: fitted to the decode-node mode's waits for KV",
+        "default: fitted to the decode-node mode's NIXL transfers at the "
+        "lowest concurrency (their mean bytes in their mean time)",
     )  # fmt: skip
     group.add_argument(
         "--refill", action="store_true",

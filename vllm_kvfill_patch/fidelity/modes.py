@@ -45,7 +45,7 @@ class Mode:
     """The mode it is held to; None for a reference itself."""
     linked: bool = False
     """Its KV crosses the package's link model, set before its legs from
-    what the real node's transfers measured (`node.fitted_link`), or from
+    what the real node's transfers measured (`node_report.fitted_link`), or from
     ``--link``."""
 
 

@@ -3,7 +3,7 @@ p99 with their 95% intervals, legs paired by prompts (same round and leg,
 same seed), how long a request waited for its KV, and the worker's median
 step (how much of a gap is the model's step, and how much is around it);
 in words how far each emulated mode's TTFT is from the node's, and why; and
-the link the linked modes cross, fitted to the node's waits."""
+the link the linked modes cross, fitted to the node's transfers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import numpy as np
 
 from vllm_kvfill_patch.fidelity.attribution import step_p50_ms, steps_of
 from vllm_kvfill_patch.fidelity.modes import NODE
-from vllm_kvfill_patch.fidelity.report import Cell, Key, Row, against
+from vllm_kvfill_patch.fidelity.report import Row, against
 from vllm_kvfill_patch.fidelity.stats import Ratio
+from vllm_kvfill_patch.fidelity.transfers import Transfers
 
 AGAINST_NODE = (
     ("median_ttft_ms", "decode TTFT p50"),
@@ -52,17 +53,17 @@ def p50_ms(legs: list[dict], key: str) -> float | None:
     return float(np.median(values)) * 1000 if values else None
 
 
-def fitted_link(cells: dict[Key, Cell]) -> tuple[float, float | None] | None:
-    """The link model (latency ms, Gb/s) the linked modes cross: how long the
-    real node's requests waited for their KV at its lowest concurrency (the
-    median; admitted to scheduled, as the link model's latency runs), with
-    no bandwidth limit; None where the node measured none."""
-    measured = {key: cell for key, cell in cells.items() if key.mode == NODE.name}
-    if not measured:
+def fitted_link(transfers: Transfers | None) -> tuple[float, float | None] | None:
+    """The link model (latency ms, Gb/s per rank) the linked modes cross:
+    the real node's transfers at its lowest concurrency as NIXL timed them
+    (post to completion), their mean bytes in their mean time, one at a
+    time. No latency besides: the link's time starts, as NIXL's read does,
+    when a worker takes the step that admitted the request, and the steps
+    around it are the engine's in both. None where the node timed none."""
+    mean = transfers.mean_seconds() if transfers is not None else None
+    if transfers is None or not mean:
         return None
-    lowest = min(measured, key=lambda key: key.concurrency)
-    wait = kv_wait_p50_ms(measured[lowest].legs)
-    return None if wait is None else (round(wait, 1), None)
+    return (0.0, round(transfers.bytes_each() * 8 / mean / 1e9, 3))
 
 
 def node_rows(found: list[Row]) -> dict[tuple[str, int], Row]:

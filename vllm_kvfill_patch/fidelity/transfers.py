@@ -22,11 +22,21 @@ class Transfers:
     """Prompt tokens decode computed itself (one per request: the last)."""
     seconds: tuple[tuple[float, float], ...]
     """The transfer-time histogram: (upper bound, cumulative count)."""
+    total_seconds: float = 0.0
+    """The transfer times added up (the histogram's sum)."""
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile of the transfer time in seconds, linear within its
         bucket (Prometheus's `histogram_quantile`); None with no transfer."""
         return histogram_quantile(self.seconds, q)
+
+    def mean_seconds(self) -> float | None:
+        """The mean transfer time; None with no transfer."""
+        return self.total_seconds / self.count if self.count > 0 else None
+
+    def bytes_each(self) -> float:
+        """The mean bytes a transfer."""
+        return self.bytes / self.count if self.count > 0 else 0.0
 
     def minus(self, before: Transfers) -> Transfers:
         """What arrived since `before`."""
@@ -49,6 +59,7 @@ class Transfers:
                 (bound, count + sign * other_buckets.get(bound, 0.0))
                 for bound, count in self.seconds
             ),
+            self.total_seconds + sign * other.total_seconds,
         )
 
     def timing(self) -> str:
@@ -61,10 +72,10 @@ class Transfers:
     def said(self) -> str:
         """The transfers in words: bytes, count, failures, time per transfer."""
         timing = self.timing()
-        each = self.bytes / self.count if self.count else 0
         return (
             f"received {self.bytes:,.0f} bytes through NIXL in {self.count:.0f} "
-            f"transfers ({each:,.0f} a request), {self.failed:.0f} failed; "
+            f"transfers ({self.bytes_each():,.0f} a request), "
+            f"{self.failed:.0f} failed; "
             f"{timing} (vLLM's NIXL histogram); prompt tokens from prefill "
             f"{self.external_tokens:,.0f}, computed here {self.local_tokens:,.0f}"
         )
@@ -131,4 +142,5 @@ def read_transfers(metrics: str) -> Transfers:
             "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
         ),
         seconds=tuple(sorted(buckets.items())),
+        total_seconds=total("vllm:nixl_xfer_time_seconds_sum"),
     )
