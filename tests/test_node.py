@@ -6,6 +6,7 @@ servers: tests/engine/test_node.py."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -142,7 +143,7 @@ def test_the_prefill_engine_core_and_only_it_is_paused_while_decode_is_measured(
         while len(engines := node.prefill_engines()) < 1:
             assert time.monotonic() < deadline, "the spinners did not start"
             time.sleep(0.05)
-        assert node.paused() is None
+        assert node.prefill_paused() is None
         node.pause_prefill()
         named = {
             pid: Path(f"/proc/{pid}/comm").read_text().strip()
@@ -158,7 +159,7 @@ def test_the_prefill_engine_core_and_only_it_is_paused_while_decode_is_measured(
         node.resume_prefill()
         time.sleep(0.3)
         assert state(engines[0]) not in "Tt" and cpu_seconds(engines[0]) > cpu
-        assert node.paused() == (
+        assert node.prefill_paused() == (
             "the prefill server's engine core paused while decode was measured "
             f"(1x, {node.pauses.seconds:.1f} s in all): it took 0.00 s of CPU meanwhile"
         )
@@ -166,6 +167,42 @@ def test_the_prefill_engine_core_and_only_it_is_paused_while_decode_is_measured(
     finally:
         subprocess.run(["pkill", "-9", "-s", str(prefill.process.pid)], check=False)
         prefill.process.wait(10)
+
+
+def test_a_paused_server_is_stopped_whole_and_still_stops(tmp_path):
+    """While another server is measured, every process of a paused one is
+    stopped (the node's rounds and the connector's take turns); stopping a
+    paused server ends it all the same."""
+    server = Server("connector", [], {}, tmp_path)
+    server.process = subprocess.Popen(
+        [sys.executable, "-c", SPINNER, "leader", SPINNER], start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(group := group_of(server.process.pid)) < 3:
+            assert time.monotonic() < deadline, "the spinners did not start"
+            time.sleep(0.05)
+        server.pause()
+        time.sleep(0.1)
+        assert {state(pid) for pid in group} == {"T"}
+        server.resume()
+        time.sleep(0.1)
+        assert "T" not in {state(pid) for pid in group}
+        server.pause()
+        started = time.monotonic()
+        server.stop()
+        # Ended by SIGTERM, not by the SIGKILL a minute later.
+        assert server.process.returncode == -signal.SIGTERM
+        assert time.monotonic() - started < 10
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(server.process.pid)], check=False)
+
+
+def group_of(leader: int) -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-g", str(leader)], capture_output=True, text=True
+    ).stdout
+    return [int(pid) for pid in found.split()]
 
 
 def node_cells() -> dict[Key, object]:

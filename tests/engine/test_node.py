@@ -131,6 +131,23 @@ def test_the_prefill_engine_core_took_no_cpu_while_decode_was_measured(run):
     assert float(paused[3]) == 0.0
 
 
+def test_the_node_and_the_connector_were_up_together_and_took_turns(run):
+    """Both servers started before the first leg (the idle one paused while
+    the other measures), the node's round first: its transfers fit the link."""
+    lines = run["stdout"].splitlines()
+
+    def first(start: str) -> int:
+        return next(i for i, line in enumerate(lines) if start in line)
+
+    node_leg = first(f"main: {NODE.name} C={CONCURRENCY} round 1:")
+    assert first("connector: serving on port") < node_leg
+    assert (
+        node_leg
+        < first("the link: latency 0 ms")
+        < first(f"main: {LINKED.name} C={CONCURRENCY} round 1:")
+    )
+
+
 def test_the_decode_workers_model_thread_had_its_cores_alone(run):
     stdout = run["stdout"]
     assert "the decode worker's model thread alone on its cores" in stdout

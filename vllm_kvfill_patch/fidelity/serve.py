@@ -199,9 +199,9 @@ class Server:
         None here (a server that takes no KV from another)."""
         return None
 
-    def paused(self) -> str | None:
-        """What the tool paused while its legs were measured, in words: None
-        here (`node.DecodeNode` pauses its prefill server's engine core)."""
+    def prefill_paused(self) -> str | None:
+        """How its prefill server's engine core was paused while its legs
+        were measured, in words: None here (`node.DecodeNode`)."""
         return None
 
     def cores_said(self, placement: Placement) -> str:
@@ -285,11 +285,26 @@ class Server:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def pause(self) -> None:
+        """Every process of the server stopped (``SIGSTOP`` to its process
+        group), idle or not, while another server is measured."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+
+    def _signal_group(self, sent: signal.Signals) -> None:
+        if self.alive():
+            assert self.process is not None
+            with contextlib.suppress(ProcessLookupError):  # ended: its leg says why
+                os.killpg(self.process.pid, sent)
+
     def stop(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
         if self.process is None:
             return
+        self.resume()  # a stopped process takes SIGTERM once it runs
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.process.pid, sig)

@@ -89,7 +89,7 @@ def node_said(found: list[Row], servers: list[Server]) -> None:
                     print(
                         f"  at C={concurrency}: {at.count:.0f} transfers, {at.timing()}"
                     )
-        if (paused := server.paused()) is not None:
+        if (paused := server.prefill_paused()) is not None:
             print(f"{server.name}: {paused}")
     print("\n".join(ttft_lines(found, p50 and p50 * 1000)))
 
