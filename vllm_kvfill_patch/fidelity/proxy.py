@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from vllm_kvfill_patch.fidelity.serve import Phase
 
@@ -154,7 +154,14 @@ def application(routes: Routes) -> web.Application:
     app[ROUTES] = routes
 
     async def open_session(app: web.Application) -> AsyncIterator[None]:
-        app[SESSION] = ClientSession(timeout=ClientTimeout(total=None))
+        # A connection per request: uvicorn closes a keep-alive connection
+        # idle for 5 s, and one reused as it closes fails its request
+        # ("Server disconnected"). On loopback a connection costs well
+        # under a millisecond, in every mode's hop alike.
+        app[SESSION] = ClientSession(
+            timeout=ClientTimeout(total=None),
+            connector=TCPConnector(force_close=True),
+        )
         yield
         await app[SESSION].close()
 
