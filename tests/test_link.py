@@ -226,10 +226,12 @@ def test_a_request_waits_for_its_kv_and_runs_once_every_rank_reported(node_for):
 
 
 def test_a_transfer_is_reported_at_the_end_of_the_step_it_arrives_in(node_for):
-    """As NIXL's worker starts a read when its step starts and reports it at
-    the end of the first step that finds it done: 5 ms of latency, a forward
-    pass of 4 ms is too short, and a transfer that arrives during the
-    admitting step's forward pass (10 ms) is reported at that step's end."""
+    """As NIXL's worker starts a read from ``start_load_kv`` and reports it
+    from the first ``get_finished`` that finds it done. The test's step calls
+    ``start_load_kv`` before its forward pass (vLLM up to 0.28; later ones do
+    so beside a synchronous load): with 5 ms of latency a 4 ms pass is too
+    short, and a transfer that arrives during the admitting step's 10 ms pass
+    is reported at that step's end."""
     node = node_for(transfer_latency_ms=5)
     node.add("r")
     node.step(forward_ms=4)

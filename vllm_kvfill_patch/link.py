@@ -33,11 +33,11 @@ How
     bandwidth``: one link, first come first served. At each ``schedule()``,
     the fills upstream recorded go on the link and, in the step's metadata,
     to the workers with the time they take; upstream's metadata is left
-    nothing to fill. Each worker starts them when its step starts, as a NIXL
-    worker starts its reads; at the end of every step (``get_finished``) it
-    fills the ones that have arrived and reports each once, as NIXL's worker
-    reports the reads it finds done: a transfer shorter than the admitting
-    step's forward pass is reported by that step. On a GPU the fill runs on
+    nothing to fill. Each worker starts them when vLLM calls its
+    ``start_load_kv``, as a NIXL worker starts its reads (before the forward
+    pass up to 0.28, after it from 0.29); at the end of every step
+    (``get_finished``) it fills the ones that have arrived and reports each
+    once, as NIXL's worker reports the reads it finds done. On a GPU the fill runs on
     a stream of its own and is reported once its event is done, never waited
     for on the host. A request aborted in flight is not filled: the next
     step's metadata drops it, and the workers report it, so that vLLM frees
