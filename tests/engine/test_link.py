@@ -36,9 +36,6 @@ TOGETHER = 8
 SLACK_S = 0.1
 """How much later than the link says a request alone may be scheduled: the
 engine's poll while idle (~1 ms a step), with room for a loaded machine."""
-QUEUE_SLACK_S = 0.02
-"""How much later than its arrival on the link a request of a queue may be
-scheduled (the fill and two steps; 3 ms measured), a fifth of the spacing."""
 
 
 def request_bytes() -> int:
@@ -142,16 +139,18 @@ def test_requests_admitted_together_arrive_one_after_another():
     assert len(steps) == TOGETHER
     first_admission = min(admitted for admitted, _ in steps.values())
     assert all(admitted == first_admission for admitted, _ in steps.values())
+    step_times = [step["t"] for step in report["steps"]]
     delivered = sorted(delivered for _, delivered in steps.values())
     after = [f"{(t - first_admission) * 1e3:.0f} ms" for t in delivered]
     print("delivered after", after)
     for k, delivery in enumerate(delivered, start=1):
         arrival = first_admission + k * PER_REQUEST_S
-        # On the link from the step the worker took it in, filled and
-        # reported at the end of the first step that finds it there,
-        # scheduled by the next: steps here take under a millisecond idle,
-        # and a few with the fill.
-        assert arrival <= delivery < arrival + QUEUE_SLACK_S
+        # On the link from when the admitting step's worker took it (0.32:
+        # after that step's forward), filled and reported at the end of the
+        # first step that finds it there, scheduled by the next: within three
+        # steps of its arrival, however long a step takes on a loaded machine.
+        later = [t for t in step_times if t >= arrival]
+        assert arrival <= delivery <= later[3]
 
 
 def test_under_preemption_a_resumed_request_is_recomputed_as_before(tmp_path):
