@@ -54,6 +54,24 @@ def record_steps(scheduler: Any, steps: list[dict]) -> None:
     scheduler.schedule = traced
 
 
+def record_reports(scheduler: Any, reports: list[dict]) -> None:
+    """Each time the workers' aggregated output reaches the scheduler: the
+    transfers every rank reported finished in it."""
+    update = scheduler._update_from_kv_xfer_finished
+
+    def traced(kv_connector_output):
+        if kv_connector_output.finished_recving:
+            reports.append(
+                {
+                    "t": time.monotonic(),
+                    "finished": sorted(kv_connector_output.finished_recving),
+                }
+            )
+        return update(kv_connector_output)
+
+    scheduler._update_from_kv_xfer_finished = traced
+
+
 def record_transfers(link: Any, transfer_bytes: dict) -> None:
     admit = link.admit
 
@@ -89,7 +107,7 @@ def main(options: dict) -> dict:
 
     import vllm_kvfill_patch
 
-    report: dict = {"steps": [], "transfer_bytes": {}, "timestamps": {}}
+    report: dict = {"steps": [], "reports": [], "transfer_bytes": {}, "timestamps": {}}
     with tempfile.TemporaryDirectory() as scratch:
         model = tiny_model.write_tiny_model(Path(scratch) / "tiny-qwen3-next")
         transfer = {
@@ -107,6 +125,7 @@ def main(options: dict) -> dict:
         engine = llm.llm_engine
         scheduler = engine.engine_core.engine_core.scheduler
         record_steps(scheduler, report["steps"])
+        record_reports(scheduler, report["reports"])
         link = scheduler.connector.connector_scheduler._kvfill_link
         record_transfers(link, report["transfer_bytes"])
         report["bytes_per_block"] = list(link.bytes_per_block)

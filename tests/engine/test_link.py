@@ -36,6 +36,10 @@ TOGETHER = 8
 SLACK_S = 0.1
 """How much later than the link says a request alone may be scheduled: the
 engine's poll while idle (~1 ms a step), with room for a loaded machine."""
+REPORT_SLACK_S = 0.05
+"""How late after its arrival a transfer may be reported where the engine's
+steps are quicker than that: the worker takes it from the admitting step,
+and fills it before it reports it (3 ms here, more on a loaded machine)."""
 
 
 def request_bytes() -> int:
@@ -139,18 +143,35 @@ def test_requests_admitted_together_arrive_one_after_another():
     assert len(steps) == TOGETHER
     first_admission = min(admitted for admitted, _ in steps.values())
     assert all(admitted == first_admission for admitted, _ in steps.values())
+    reported = {
+        external_id(rid): found["t"]
+        for found in reversed(report["reports"])
+        for rid in found["finished"]
+    }
+    assert len(reported) == TOGETHER
     step_times = [step["t"] for step in report["steps"]]
     delivered = sorted(delivered for _, delivered in steps.values())
-    after = [f"{(t - first_admission) * 1e3:.0f} ms" for t in delivered]
-    print("delivered after", after)
-    for k, delivery in enumerate(delivered, start=1):
+    print(
+        "scheduled after", [f"{(t - first_admission) * 1e3:.0f} ms" for t in delivered]
+    )
+    late = []
+    for k, (rid, at) in enumerate(sorted(reported.items(), key=lambda i: i[1]), 1):
         arrival = first_admission + k * PER_REQUEST_S
-        # On the link from when the admitting step's worker took it (0.32:
-        # after that step's forward), filled and reported at the end of the
-        # first step that finds it there, scheduled by the next: within three
-        # steps of its arrival, however long a step takes on a loaded machine.
+        # Reported once its transfer has arrived: at the end of the step in
+        # progress then, or of the next (the worker took it from the
+        # admitting step, and fills it first), or within REPORT_SLACK_S
+        # where steps are quicker. Scheduled from then on, as vLLM's
+        # scheduler finds room (on a loaded machine, two at once).
         later = [t for t in step_times if t >= arrival]
-        assert arrival <= delivery <= later[3]
+        print(
+            k,
+            round((at - arrival) * 1e3, 1),
+            [round((t - arrival) * 1e3, 1) for t in later[:4]],
+        )
+        assert arrival <= at <= max(later[2], arrival + REPORT_SLACK_S), rid
+        assert steps[rid][1] >= at
+        late.append(f"{(at - arrival) * 1e3:.1f}")
+    print("reported after its arrival (ms):", late)
 
 
 def test_under_preemption_a_resumed_request_is_recomputed_as_before(tmp_path):
