@@ -304,3 +304,26 @@ def test_the_probe_times_each_requests_admission_and_wait_for_kv(tmp_path):
     scheduler.requests.clear()  # finished: forgotten
     counters.note_kv_waits(scheduler, {})
     assert not counters.admitted and not counters.waiting_since
+
+
+def test_the_probe_times_each_requests_first_token_once(tmp_path):
+    """What the scheduler process records after each output it takes: a
+    request's time from its arrival to its first sampled token, once (not
+    at its later tokens, not for a request that sampled none), handed out
+    once; forgotten when it finishes."""
+    from types import SimpleNamespace
+
+    counters = probe.Counters(tmp_path)
+    counters.admitted = {"a", "b"}
+    arrivals = {"a": time.time() - 0.25, "b": time.time()}
+    first = SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[7], []])
+    counters.note_first_tokens(arrivals, first)
+    assert len(counters.first_tokens) == 1 and 0.25 <= counters.first_tokens[0] < 5
+    later = SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[8], [9]])
+    counters.note_first_tokens(arrivals, later)
+    assert len(counters.first_tokens) == 2 and counters.first_tokens[1] < 0.25
+    assert len(counters.snapshot(1)["first_tokens"]) == 2
+    assert counters.snapshot(2)["first_tokens"] == []
+    counters.admitted = set()  # finished
+    counters.note_first_tokens(arrivals, SimpleNamespace(req_ids=[]))
+    assert not counters.first_token_seen

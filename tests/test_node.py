@@ -272,27 +272,41 @@ def test_a_linked_modes_ttft_gap_says_it_waits_on_the_link():
     cells = node_cells()
     cells[Key("main", 8, LINKED.name)] = cells[Key("main", 8, NODE.name)]
     found, _ = rows(cells)  # type: ignore[arg-type]
-    said, phases = ttft_lines(found, 11.0)
+    said, engine, phases = ttft_lines(found, 11.0)
     assert "package+link 100.0 ms (+0.0%" in said
     assert said.endswith(f"; {WHY_LINKED}.")
     assert WHY_LINKED not in ttft_lines(rows(node_cells())[0], 11.0)[0]
+    assert engine == "  no engine TTFT recorded"
     assert phases == "  no admission recorded"
 
 
 def test_each_ttft_is_split_where_the_scheduler_saw_it_go():
+    """The node 100 ms to its first token at the client, 60 at the engine;
+    the package 50 and 45: the node's gap is 35 ms on the way in and out,
+    5 in the engine, and the engine's TTFT says so against the node's."""
     cells = node_cells()
-    for mode, admissions, waits in (
-        (NODE.name, [0.002, 0.003], [0.040]),
-        (PACKAGE.name, [0.001, 0.002], []),
+    for mode, admissions, waits, engine in (
+        (NODE.name, [0.002, 0.003], [0.040], 0.060),
+        (PACKAGE.name, [0.001, 0.002], [], 0.045),
     ):
+        for leg in cells[Key("main", 8, mode)].legs:
+            leg.update(first_tokens=[engine] * len(leg["ttfts"]))
         cells[Key("main", 8, mode)].legs[0].update(
             admissions=admissions, kv_waits=waits
         )
     found, _ = rows(cells)  # type: ignore[arg-type]
-    phases = ttft_lines(found, None)[1]
-    assert phases.startswith("  TTFT p50 as arrival to admission + wait for KV + ")
-    assert "decode-node 2.5 + 40.0 + 57.5 ms" in phases
-    assert "package 1.5 + 0.0 + 48.5 ms" in phases
+    _, engine, phases = ttft_lines(found, None)
+    assert engine.startswith(
+        "  Engine TTFT (arrival at the server to the engine's first token): "
+        "the real node 60.0 ms; package 45.0 ms (-25.0%"
+    )
+    assert "ideal" not in engine  # no engine TTFT recorded: not said
+    assert phases.startswith(
+        "  TTFT p50 as the way in and out + arrival to admission + wait for KV"
+        " + first step: "
+    )
+    assert "decode-node 40.0 + 2.5 + 40.0 + 17.5 ms" in phases
+    assert "package 5.0 + 1.5 + 0.0 + 43.5 ms" in phases
 
 
 def test_without_a_node_there_is_no_table():

@@ -116,6 +116,9 @@ def test_the_linked_modes_cross_the_nodes_transfers(run):
         assert len(ttfts) == PROMPTS and min(ttfts) >= transfer_s
     split = next(line for line in stdout.splitlines() if "TTFT p50 as" in line)
     assert f"{NODE.name} " in split and f"{LINKED.name} " in split
+    engine = next(line for line in stdout.splitlines() if "Engine TTFT (" in line)
+    linked = re.escape(LINKED.name)
+    assert re.search(rf"the real node [\d.]+ ms; .*{linked} [\d.]+ ms", engine)
 
 
 def test_the_prefill_engine_core_took_no_cpu_while_decode_was_measured(run):

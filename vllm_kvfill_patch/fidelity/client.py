@@ -15,13 +15,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SLIM_KEYS = (
-    "ttfts", "latencies", "output_lens", "itls", "steps", "kv_waits", "admissions",
-)  # fmt: skip
+from vllm_kvfill_patch.fidelity.wire import REQUEST_LISTS
+
+SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls", "steps", *REQUEST_LISTS)
 """The lists of a leg a cell keeps: vLLM's per-request lists (`combined` and
 the comparison with the ideal read them), the worker's steps over the leg
-(`attribution`) and its requests' delays to admission and waits for their
-KV (`node_report`); the rest stay in vLLM's file."""
+(`attribution`) and what its requests recorded in the scheduler
+(`node_report`); the rest stay in vLLM's file."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,12 @@ PERCENTILE_KEY = re.compile(r"p(\d+(?:\.\d+)?)_(ttft|tpot|itl)_ms")
 def request_seconds(result: dict) -> dict[str, list[float]]:
     """A run's samples of each metric vLLM takes percentiles of, in seconds,
     as `calculate_metrics` in vllm/benchmarks/serve.py takes them: a TTFT per
-    request, a TPOT per request of more than one output token, every ITL."""
+    request, a TPOT per request of more than one output token, every ITL;
+    and, where the probe recorded them, the engine's (`engine_ttft`: from
+    the request's arrival at the server to the engine's first token)."""
     seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
+    if result.get("first_tokens"):
+        seconds["engine_ttft"] = list(result["first_tokens"])
     for ttft, latency, length, itls in zip(
         result["ttfts"], result["latencies"], result["output_lens"],
         result["itls"], strict=True,
@@ -180,7 +184,7 @@ def combined(results: list[dict]) -> dict:
     seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
     for result in results:
         for metric, values in request_seconds(result).items():
-            seconds[metric] += values
+            seconds.setdefault(metric, []).extend(values)
     for metric, values in seconds.items():
         taken = values or [0.0]
         figures[f"mean_{metric}_ms"] = float(np.mean(taken)) * 1000

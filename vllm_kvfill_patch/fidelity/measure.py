@@ -24,7 +24,7 @@ from vllm_kvfill_patch.fidelity.modes import Mode
 from vllm_kvfill_patch.fidelity.plan import Case, in_turn
 from vllm_kvfill_patch.fidelity.report import Cell, Key
 from vllm_kvfill_patch.fidelity.serve import Server, logged_exception
-from vllm_kvfill_patch.fidelity.wire import COUNTS, counted
+from vllm_kvfill_patch.fidelity.wire import COUNTS, REQUEST_LISTS, counted
 
 IDLE_SPIN_SECONDS = 1.0
 """vLLM's engine core and worker spin-wait this long after their last
@@ -167,7 +167,7 @@ class Measurer:
             key: counted(after[key], before[key], -1)
             for key in (*COUNTS, "preemptions")
         }
-        lists = {key: after[key] for key in ("steps", "kv_waits", "admissions")}
+        lists = {key: after[key] for key in ("steps", *REQUEST_LISTS)}
         return figures, counts | lists
 
     def record(self, cell: Cell, label: str, round_: int, legs: list[dict]) -> None:

@@ -39,6 +39,10 @@ WHY_LINKED = (
     "a linked mode's request waits for its KV on the modelled link as the "
     "node's waits on NIXL"
 )
+ENGINE_TTFT = "median_engine_ttft_ms"
+"""From a request's arrival at the server to the engine's first token for it
+(the probe's `first_tokens`): the decode TTFT without the way in and out
+(client, proxy, API server), which the connector does not touch."""
 
 
 def kv_wait_p50_ms(legs: list[dict]) -> float | None:
@@ -132,23 +136,51 @@ def ttft_lines(found: list[Row], transfer_p50_ms: float | None) -> list[str]:
                 f"{node.figures['median_ttft_ms']:.1f} ms; {', '.join(said)}: "
                 f"{WHY_TTFT}{transfer}" + (f"; {WHY_LINKED}." if linked else ".")
             )
+            lines.append(f"  {engine_line(node, emulated)}")
             lines.append(f"  {phases_line([node, *emulated])}")
     return lines
 
 
+def engine_line(node: Row, emulated: list[Row]) -> str:
+    """How far each mode's engine TTFT is from the node's: where a decode
+    TTFT gap comes from the way in and out, not from what the connector
+    does, the engine's figures say so."""
+    if ENGINE_TTFT not in node.figures:
+        return "no engine TTFT recorded"
+    said = []
+    for row in emulated:
+        if ENGINE_TTFT not in row.figures:
+            continue
+        ratio = against(row.cell, node.cell, ENGINE_TTFT)
+        said.append(
+            f"{row.key.mode} {row.figures[ENGINE_TTFT]:.1f} ms"
+            + (f" ({ratio.text()})" if ratio else "")
+        )
+    return (
+        f"Engine TTFT (arrival at the server to the engine's first token): the "
+        f"real node {node.figures[ENGINE_TTFT]:.1f} ms; {', '.join(said)}"
+    )
+
+
 def phases_line(found: list[Row]) -> str:
-    """Where each mode's TTFT went (p50): arrival at the server to admission,
-    the wait for its KV, and the rest (its first step and the way back)."""
+    """Where each mode's TTFT went (p50s): the way in and out (the client's
+    TTFT less the engine's), arrival at the server to admission, the wait
+    for its KV, and its first step (the engine's TTFT less both)."""
     parts = []
     for row in found:
         admission = p50_ms(row.cell.legs, "admissions")
-        wait = kv_wait_p50_ms(row.cell.legs) or 0.0
-        if admission is None:
+        engine = row.figures.get(ENGINE_TTFT)
+        if admission is None or engine is None:
             continue
-        rest = row.figures["median_ttft_ms"] - admission - wait
-        parts.append(f"{row.key.mode} {admission:.1f} + {wait:.1f} + {rest:.1f} ms")
+        wait = kv_wait_p50_ms(row.cell.legs) or 0.0
+        way = row.figures["median_ttft_ms"] - engine
+        step = engine - admission - wait
+        parts.append(
+            f"{row.key.mode} {way:.1f} + {admission:.1f} + {wait:.1f} + {step:.1f} ms"
+        )
     return (
-        "TTFT p50 as arrival to admission + wait for KV + the rest: " + "; ".join(parts)
+        "TTFT p50 as the way in and out + arrival to admission + wait for KV + "
+        "first step: " + "; ".join(parts)
         if parts
         else "no admission recorded"
     )

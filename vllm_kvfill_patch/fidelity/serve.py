@@ -28,6 +28,7 @@ from vllm_kvfill_patch.fidelity.wire import (
     DIR_ENV,
     FILL_BUCKETS,
     QUESTIONS,
+    REQUEST_LISTS,
     Setting,
     counted,
     question_line,
@@ -319,8 +320,8 @@ class Server:
     def counters(self) -> dict:
         """The sum of every process's probe counters and the engine's
         preemptions (Prometheus), now; and the forward passes its workers
-        took (`steps`), its requests' delays to admission (`admissions`) and
-        waits for their KV (`kv_waits`) since the last question."""
+        took (`steps`), and what its requests recorded (`wire.REQUEST_LISTS`)
+        since the last question."""
         self.questions += 1
         answered = ask(self.probe_dir, self.questions)
         total: dict = dict.fromkeys(COUNTS, 0)
@@ -331,7 +332,7 @@ class Server:
                 total[key] = counted(total[key], counts[key])
         answers = [json.loads(path.read_text()) for path in answered]
         total["steps"] = [step for answer in answers for step in answer["steps"]]
-        for key in ("kv_waits", "admissions"):
+        for key in REQUEST_LISTS:
             total[key] = [value for answer in answers for value in answer[key]]
         total["preemptions"] = self.metric("vllm:num_preemptions_total")
         return total
