@@ -154,7 +154,8 @@ def test_the_node_and_the_connector_were_up_together_and_took_turns(run):
 def test_the_decode_workers_model_thread_had_its_cores_alone(run):
     stdout = run["stdout"]
     assert "the decode worker's model thread alone on its cores" in stdout
-    assert "NIXL's progress threads (2) resting 100 us between polls" in stdout
+    assert "NIXL's agent threads (2) at the worker's priority" in stdout
+    assert "UCX's progress threads among them, resting 100 us between polls" in stdout
     server = run["summary"]["servers"]["decode-node"]
     placement = server["placement"]
     assert placement and not set(placement["worker_cores"]) & set(

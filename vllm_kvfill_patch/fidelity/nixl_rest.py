@@ -9,10 +9,13 @@ worker leaves with vLLM's API server, its engine side, the prefill server
 and the client, and the node's transfers wait for it. With
 `wire.NIXL_REST_ENV` set (microseconds), each agent of the process is created with
 that delay between polls instead: the thread sleeps between them. The
-threads an agent starts are written to ``<probe dir>/<pid>.nixl``
-(`wire.NIXL_THREADS`), so that the tool keeps them at the worker's priority (they
-run at once when they wake, as on a core of their own) while it lowers the
-threads that spin.
+threads the bound agent starts are written to ``<probe dir>/<pid>.nixl``
+(`wire.NIXL_THREADS`), so that the tool keeps them at the worker's priority
+while it lowers the threads that spin. UCX's progress thread is not among
+them: it starts with the agent's backend, after the bound agent, and is
+lowered with the workers' other threads (``SCHED_IDLE``); on the front core
+it runs whenever the engine core's spin-wait yields (docs/benchmark.md,
+"The node's way in and out").
 """
 
 from __future__ import annotations

@@ -114,9 +114,9 @@ each of decode's notifications, and the workers' other threads. On the
 cores the client and the decode server's engine side share, they run only
 when nothing else would (`idle`: Linux's ``SCHED_IDLE``, at this niceness),
 so that the decode server's front is not kept off its core by them, as on
-a machine with cores to spare. NIXL's progress threads rest instead of
-spinning (`nixl_rest`) and keep the worker's priority: the transfers wait
-on them."""
+a machine with cores to spare. UCX's progress threads are among them,
+resting between polls (`nixl_rest`); NIXL's agents' own threads keep the
+worker's priority."""
 
 
 def idle(thread: int) -> None:
@@ -356,10 +356,11 @@ class DecodeNode(Server):
         return (
             f"{placement.describe()}; the decode worker's model thread alone on "
             f"its cores; NIXL's threads, the prefill server and the proxy on "
-            f"{','.join(map(str, sorted(placement.front_cores)))}; NIXL's progress "
-            f"threads ({len(self.resting())}) resting {REST_US} us between polls "
-            f"at the worker's priority, the prefill server and the workers' other "
-            f"threads idle (SCHED_IDLE, niceness {SPINNING_NICENESS})"
+            f"{','.join(map(str, sorted(placement.front_cores)))}; NIXL's agent "
+            f"threads ({len(self.resting())}) at the worker's priority; the prefill "
+            f"server and the workers' other threads idle (SCHED_IDLE, niceness "
+            f"{SPINNING_NICENESS}), UCX's progress threads among them, resting "
+            f"{REST_US} us between polls"
         )
 
     def transfers(self, concurrency: int | None = None) -> Transfers | None:
