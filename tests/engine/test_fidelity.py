@@ -303,10 +303,15 @@ def test_a_server_whose_port_was_taken_is_started_again_on_another(tmp_path):
             "taken", [str(model), "--max-model-len", "1000000"], dict(EMBEDDED_ENV),
             tmp_path / "server", port=port,
         )  # fmt: skip
-        server.start()
-        error = server.wait_until_healthy(300)
+        try:
+            server.start()
+            error = server.wait_until_healthy(300)
+        finally:
+            server.stop()  # its proxy too: it outlives a server that failed
     assert server.port != port
     assert error is not None and error.startswith("ValidationError"), error
+    assert server.proxy is not None and server.proxy.process is not None
+    assert server.proxy.process.poll() is not None
 
 
 STAND_IN = """
