@@ -278,6 +278,14 @@ def test_the_default_is_quick_and_thorough_is_one_flag():
     assert Plan.of(parse(["--model", "m"])).preemption is None
 
 
+def test_each_leg_is_warmed_up_by_one_request_unless_told_otherwise(capsys):
+    assert parse([]).warm_ups == 1
+    assert parse(["--warm-ups", "0"]).warm_ups == 0
+    with pytest.raises(SystemExit):
+        parse(["--warm-ups", "-1"])
+    assert "--warm-ups takes 0 or more requests, not -1" in capsys.readouterr().err
+
+
 def test_the_link_mode_crosses_the_link_given_or_fitted_to_the_node():
     given = Plan.of(parse(["--link", "50,0.25"]))
     linked, ideal = [m for m in given.main.modes if m.linked]

@@ -20,8 +20,13 @@ import sys
 
 import pytest
 
-from vllm_kvfill_patch.fidelity.client import combined, read_in_bursts
+from vllm_kvfill_patch.fidelity.client import (
+    WARM_UP_TOKENS,
+    combined,
+    read_in_bursts,
+)
 from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement
+from vllm_kvfill_patch.fidelity.measure import IDLE_SPIN_SECONDS
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
 from vllm_kvfill_patch.fidelity.modes import (
     DEFAULT_MODES,
@@ -107,6 +112,22 @@ def test_every_mode_completed_every_request_with_its_output(run, mode):
         assert result["completed"] == result["num_prompts"] == PROMPTS // LEGS
     # The probe saw the model route decode tokens to its experts.
     assert figures["expert_forwards"] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_leg_began_on_a_server_just_warmed_up_by_a_prompt_of_its_own(run, mode):
+    """One request of WARM_UP_TOKENS tokens before each leg, not in its
+    figures (each leg's results hold its own prompts only, above); the leg
+    began within the engine's idle spin of the warm-up's end."""
+    results = run["output"] / "results"
+    for leg, result in enumerate(leg_results(run, mode)):
+        name = f"main-{mode}-c{CONCURRENCY}-r0-l{leg}.warm-up.json"
+        warm = json.loads((results / name).read_text())
+        assert warm["completed"] == warm["num_prompts"] == 1, name
+        assert warm["total_output_tokens"] == WARM_UP_TOKENS, name
+        ended = warm["start_times"][0] + warm["latencies"][0]
+        began = min(result["start_times"])
+        assert 0 < began - ended < IDLE_SPIN_SECONDS, name
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -72,6 +72,18 @@ def test_the_node_received_every_prompts_kv_through_nixl_in_milliseconds(run):
     assert remote == prompt_tokens - transfers
 
 
+def test_each_node_legs_warm_up_was_prefilled_ahead_and_read_outside_the_leg(run):
+    """The warm-up's prompt went to prefill ahead with the leg's, then to
+    decode (the proxy refuses a prompt not prefilled ahead); its transfer is
+    not among the leg's (the transfers test above counts PROMPTS)."""
+    results = run["output"] / "results"
+    for leg in range(LEGS):
+        stem = f"main-{NODE.name}-c{CONCURRENCY}-r0-l{leg}"
+        for name in (f"{stem}.ahead.warm-up.json", f"{stem}.warm-up.json"):
+            warm = json.loads((results / name).read_text())
+            assert warm["completed"] == warm["num_prompts"] == 1, name
+
+
 def test_every_mode_is_held_to_the_node_and_the_ttft_gap_is_said(run):
     stdout = run["stdout"]
     block = stdout.split("Against the real decode node")[1].split("\n\n")[0]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from vllm_kvfill_patch import switches
 from vllm_kvfill_patch.fidelity.args import parse
-from vllm_kvfill_patch.fidelity.client import Workload, bench
+from vllm_kvfill_patch.fidelity.client import WARM_UP_TOKENS, Workload, bench
 from vllm_kvfill_patch.fidelity.cores import Placement
 from vllm_kvfill_patch.fidelity.measure import IDLE_SPIN_SECONDS, Measurer
 from vllm_kvfill_patch.fidelity.model import EMBEDDED_ENV, write_embedded_model
@@ -89,6 +89,7 @@ class Run:
             args.input_len,
             args.output_len,
             shlex.split(args.bench_args),
+            args.warm_ups,
         )
         self.measurer = Measurer(self.output, self.workload, self.say, self.place)
         self.servers: list[Server] = []
@@ -205,7 +206,9 @@ class Run:
             try:
                 figures = bench(
                     server.client_url,
-                    dataclasses.replace(self.workload, output_len=4, extra=[]),
+                    dataclasses.replace(
+                        self.workload, output_len=WARM_UP_TOKENS, extra=[]
+                    ),
                     1,
                     2,
                     0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vllm_kvfill_patch.fidelity.client import WARM_UP_TOKENS
 from vllm_kvfill_patch.fidelity.modes import (
     DEFAULT_MODES,
     MODES,
@@ -50,6 +51,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add_length(parser.add_argument_group("how long"))
     add_extras(parser.add_argument_group("more"))
     args = parser.parse_args(argv)
+    if args.warm_ups < 0:
+        parser.error(f"--warm-ups takes 0 or more requests, not {args.warm_ups}")
     linked = [name for name in args.modes if MODES[name].linked]
     if linked and "decode-node" not in args.modes and args.link is None:
         parser.error(
@@ -129,6 +132,12 @@ def add_workload(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--bench-args", default="", help="added to each vllm bench serve"
     )
+    group.add_argument(
+        "--warm-ups", type=int, default=1,
+        help="requests sent before each leg, one at a time, of prompts no leg "
+        f"sends, {WARM_UP_TOKENS} tokens each, not measured: each leg starts "
+        "on a server that has just served, as its later requests do (0: none)",
+    )  # fmt: skip
     group.add_argument(
         "--preemption-blocks", type=int,
         help="KV blocks of the preemption case, a server of its own (default: "

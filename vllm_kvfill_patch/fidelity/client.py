@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.wire import REQUEST_LISTS
@@ -24,16 +24,23 @@ the comparison with the ideal read them), the worker's steps over the leg
 (`node_report`); the rest stay in vLLM's file."""
 
 
+WARM_UP_TOKENS = 4
+"""Output tokens of a warm-up request: its prompt's way in, its KV's arrival
+and a few decode steps, not a leg's worth."""
+
+
 @dataclass(frozen=True)
 class Workload:
     """What every leg asks of a server: the random dataset's lengths, with
-    `--ignore-eos`, and the user's own options for `vllm bench serve`."""
+    `--ignore-eos`, the user's own options for `vllm bench serve`, and the
+    requests that warm the server up before each leg (`warm_up`)."""
 
     model: str
     tokenizer: str
     input_len: int
     output_len: int
     extra: list[str] = field(default_factory=list)
+    warm_ups: int = 0
 
 
 def bench(
@@ -72,6 +79,20 @@ def bench(
                 f"vllm bench serve failed: {type(error).__name__}: {error}"
             ) from error
     return json.loads(result.read_text())
+
+
+def warm_up(base_url: str, workload: Workload, seed: int, result: Path) -> None:
+    """`workload.warm_ups` requests, one at a time, of prompts no leg sends
+    (`seed`), `WARM_UP_TOKENS` tokens each, not measured: a leg then starts
+    on a server that has just served, as each request after a leg's first
+    does, not one the tool has just switched or left idle. Raises
+    RuntimeError where one failed."""
+    if workload.warm_ups <= 0:
+        return
+    short = replace(workload, output_len=WARM_UP_TOKENS)
+    figures = bench(base_url, short, 1, workload.warm_ups, seed, result)
+    if failure := failed_requests(figures):
+        raise RuntimeError(f"the warm-up before the leg: {failure}")
 
 
 def failed_requests(figures: dict) -> str | None:

@@ -18,6 +18,7 @@ from vllm_kvfill_patch.fidelity.client import (
     read_in_bursts,
     rerun_reason,
     slim,
+    warm_up,
 )
 from vllm_kvfill_patch.fidelity.cores import measuring
 from vllm_kvfill_patch.fidelity.modes import Mode
@@ -28,8 +29,10 @@ from vllm_kvfill_patch.fidelity.wire import COUNTS, REQUEST_LISTS, counted
 
 IDLE_SPIN_SECONDS = 1.0
 """vLLM's engine core and worker spin-wait this long after their last
-message (`shm_broadcast`'s `busy_loop_s`): a leg starts that long after the
-one before it."""
+message (`shm_broadcast`'s `busy_loop_s`): a leg's warm-up starts that long
+after whatever ran before it, and the leg itself at once after its warm-up."""
+WARM_UP_SEEDS = 1_000_000
+"""Added to a leg's seed for its warm-up's: prompts no leg sends."""
 RERUNS = 2
 """A leg whose figures are not the server's (`client.rerun_reason`) is taken
 again up to this many times; the last one's figures stand."""
@@ -57,6 +60,15 @@ class Leg:
     def seed(self) -> int:
         """The same prompts for every mode's leg of a round."""
         return self.round + 1 + 1000 * self.leg
+
+    @property
+    def warm_up_seed(self) -> int:
+        return WARM_UP_SEEDS + self.seed
+
+
+def warm_up_file(result: Path) -> Path:
+    """Where a leg's warm-up leaves vLLM's result, beside the leg's."""
+    return result.with_suffix(".warm-up.json")
 
 
 class Measurer:
@@ -143,21 +155,31 @@ class Measurer:
 
     def bench(self, server: Server, leg: Leg, result: Path) -> tuple[dict, dict]:
         """A leg's vLLM result, and the probe's counters over it: what the
-        server needs first (`Server.prepare`), then the leg, checked."""
+        server needs first (`Server.prepare`, for the warm-up's prompts and
+        the leg's), the warm-up (`client.warm_up`), then the leg, checked."""
 
         def run(url: str, saved: Path) -> dict:
             return bench(
                 url, self.workload, leg.concurrency, leg.prompts, leg.seed, saved
             )
 
+        def warmed(url: str, saved: Path) -> dict:
+            warm_up(url, self.workload, leg.warm_up_seed, warm_up_file(saved))
+            return run(url, saved)
+
         placement = self.place(server)
         time.sleep(max(0.0, self.quiet_at - time.monotonic()))
-        if server.prepare(run, result):  # its server then spins a while
+        if server.prepare(warmed, result):  # its server then spins a while
             self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
-        before = server.counters()
         time.sleep(max(0.0, self.quiet_at - time.monotonic()))
         try:
             with measuring(getattr(placement, "front_cores", None)):
+                warm_up(
+                    server.client_url, self.workload, leg.warm_up_seed,
+                    warm_up_file(result),
+                )  # fmt: skip
+                before = server.counters()
+                server.leg_begins()
                 figures = run(server.client_url, result)
         finally:
             self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS

@@ -372,9 +372,9 @@ class DecodeNode(Server):
         return functools.reduce(Transfers.plus, legs) if legs else None
 
     def prepare(self, bench: Callable[[str, Path], dict], result: Path) -> bool:
-        """The leg's prompts prefilled ahead through the proxy, by the same
-        client with the same seed; the prefill server is then paused, and
-        the proxy replays them to decode."""
+        """The leg's prompts and its warm-up's prefilled ahead through the
+        proxy, by the same client with the same seeds; the prefill server is
+        then paused, and the proxy replays them to decode."""
         assert self.proxy is not None
         self.resume_prefill()
         self.proxy.route(Phase.AHEAD)
@@ -382,9 +382,11 @@ class DecodeNode(Server):
             bench(self.client_url, result.with_suffix(".ahead.json"))
         finally:
             self.proxy.route(Phase.REPLAY)
-        self.before = (read_transfers(metrics_page(self.base_url)), self.not_ahead())
         self.pause_prefill()
         return True
+
+    def leg_begins(self) -> None:
+        self.before = (read_transfers(metrics_page(self.base_url)), self.not_ahead())
 
     def not_ahead(self) -> int:
         """Prompts the proxy prefilled inline or refused: none were

@@ -191,6 +191,10 @@ class Server:
         prefills the leg's prompts)."""
         return False
 
+    def leg_begins(self) -> None:
+        """What `check` counts from, taken as the leg begins (after its
+        warm-up): nothing here (`node.DecodeNode` reads its transfers)."""
+
     def started(self) -> list[str]:
         """The `vllm serve` processes it started, by name."""
         return [self.name]
