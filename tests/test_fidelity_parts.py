@@ -308,7 +308,7 @@ def test_the_probe_times_each_requests_admission_and_wait_for_kv(tmp_path):
 
 def test_the_probe_times_each_requests_first_token_once(tmp_path):
     """What the scheduler process records after each output it takes: a
-    request's time from its arrival to its first sampled token, once (not
+    request's id, arrival and first sampled token (wall clock), once (not
     at its later tokens, not for a request that sampled none), handed out
     once; forgotten when it finishes."""
     from types import SimpleNamespace
@@ -318,10 +318,13 @@ def test_the_probe_times_each_requests_first_token_once(tmp_path):
     arrivals = {"a": time.time() - 0.25, "b": time.time()}
     first = SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[7], []])
     counters.note_first_tokens(arrivals, first)
-    assert len(counters.first_tokens) == 1 and 0.25 <= counters.first_tokens[0] < 5
+    ((named, arrival, token),) = counters.first_tokens
+    assert (named, arrival) == ("a", arrivals["a"])
+    assert 0.25 <= token - arrival < 5 and token <= time.time()
     later = SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[8], [9]])
     counters.note_first_tokens(arrivals, later)
-    assert len(counters.first_tokens) == 2 and counters.first_tokens[1] < 0.25
+    named, arrival, token = counters.first_tokens[1]
+    assert named == "b" and token - arrival < 0.25
     assert len(counters.snapshot(1)["first_tokens"]) == 2
     assert counters.snapshot(2)["first_tokens"] == []
     counters.admitted = set()  # finished

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_report import cell
+from vllm_kvfill_patch.fidelity.client import REQUEST_ID_PREFIX, ways_in_and_out
 from vllm_kvfill_patch.fidelity.modes import IDEAL, LINKED, NODE, PACKAGE
 from vllm_kvfill_patch.fidelity.node import (
     DecodeNode,
@@ -281,16 +282,17 @@ def test_a_linked_modes_ttft_gap_says_it_waits_on_the_link():
 
 
 def test_each_ttft_is_split_where_the_scheduler_saw_it_go():
-    """The node 100 ms to its first token at the client, 60 at the engine;
-    the package 50 and 45: the node's gap is 35 ms on the way in and out,
-    5 in the engine, and the engine's TTFT says so against the node's."""
+    """The node 100 ms to its first token at the client, 60 at the engine
+    (arriving 30 ms after it was sent); the package 50 and 45 (arriving 1
+    ms after): the node's gap is 35 ms on the way in and out, 5 in the
+    engine, and the engine's TTFT says so against the node's."""
     cells = node_cells()
-    for mode, admissions, waits, engine in (
-        (NODE.name, [0.002, 0.003], [0.040], 0.060),
-        (PACKAGE.name, [0.001, 0.002], [], 0.045),
+    for mode, admissions, waits, way_in, engine in (
+        (NODE.name, [0.002, 0.003], [0.040], 0.030, 0.060),
+        (PACKAGE.name, [0.001, 0.002], [], 0.001, 0.045),
     ):
         for leg in cells[Key("main", 8, mode)].legs:
-            leg.update(first_tokens=[engine] * len(leg["ttfts"]))
+            leg.update(request_times(len(leg["ttfts"]), way_in, engine))
         cells[Key("main", 8, mode)].legs[0].update(
             admissions=admissions, kv_waits=waits
         )
@@ -302,11 +304,41 @@ def test_each_ttft_is_split_where_the_scheduler_saw_it_go():
     )
     assert "ideal" not in engine  # no engine TTFT recorded: not said
     assert phases.startswith(
-        "  TTFT p50 as the way in and out + arrival to admission + wait for KV"
-        " + first step: "
+        "  TTFT p50 as the way in + arrival to admission + wait for KV + first "
+        "step + the way out: "
     )
-    assert "decode-node 40.0 + 2.5 + 40.0 + 17.5 ms" in phases
-    assert "package 5.0 + 1.5 + 0.0 + 43.5 ms" in phases
+    assert "decode-node 30.0 + 2.5 + 40.0 + 17.5 + 10.0 ms" in phases
+    assert "package 1.0 + 1.5 + 0.0 + 43.5 + 4.0 ms" in phases
+
+
+def request_times(requests: int, way_in: float, engine: float) -> dict:
+    """What a leg's client and probe record of `requests` sent a second
+    apart, in reverse order in the engine, each arriving `way_in` seconds
+    after it was sent and getting its first token `engine` seconds later."""
+    offset = 1_000_000.0  # the wall clock less the client's
+    starts = [10.0 + index for index in range(requests)]
+    return {
+        "start_times": starts,
+        "wall_clock_offset": offset,
+        "first_tokens": [
+            (f"cmpl-{REQUEST_ID_PREFIX}{index}-0a1b2c3d", arrival, arrival + engine)
+            for index in reversed(range(requests))
+            for arrival in [starts[index] + offset + way_in]
+        ],
+    }
+
+
+def test_each_requests_way_in_and_out_pairs_the_engines_times_with_the_clients():
+    """By the request's name, not its order; a request the client did not
+    name (vLLM's ready check) is left out; way in + engine TTFT + way out is
+    the client's TTFT."""
+    leg = {"ttfts": [0.5, 0.2], **request_times(2, 0.030, 0.1)}
+    leg["first_tokens"].append(("cmpl-0123abcd-89ab0123", 15.0, 15.1))
+    assert ways_in_and_out(leg) == [
+        pytest.approx((0.030, 0.070)),
+        pytest.approx((0.030, 0.370)),
+    ]
+    assert ways_in_and_out({"ttfts": [0.5]}) == []  # no clock: no pairs
 
 
 def test_without_a_node_there_is_no_table():

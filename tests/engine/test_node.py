@@ -104,7 +104,8 @@ def test_the_linked_modes_cross_the_nodes_transfers(run):
     """The link carries the node's mean transfer in its mean time (NIXL's
     own timing), and every request of the linked modes waited at least
     that long for its first token; the TTFT of every mode is split where
-    the scheduler saw it go."""
+    the scheduler saw it go, and each request's way in and out found from
+    the client's times and the engine's for it (named alike, one clock)."""
     stdout = run["stdout"]
     fitted = re.search(
         r"the link: latency 0 ms, ([\d.]+) Gb/s per rank, first come first "
@@ -127,7 +128,13 @@ def test_the_linked_modes_cross_the_nodes_transfers(run):
         ]
         assert len(ttfts) == PROMPTS and min(ttfts) >= transfer_s
     split = next(line for line in stdout.splitlines() if "TTFT p50 as" in line)
-    assert f"{NODE.name} " in split and f"{LINKED.name} " in split
+    for mode in MODES:  # each request's way in and out, from its own times
+        ways = re.search(
+            rf"[:;] {re.escape(mode)} ([\d.]+) \+ [\d.]+ \+ [\d.]+ \+ -?[\d.]+ "
+            r"\+ ([\d.]+) ms",
+            split,
+        )
+        assert ways and all(0 < float(way) < 1000 for way in ways.groups()), split
     engine = next(line for line in stdout.splitlines() if "Engine TTFT (" in line)
     linked = re.escape(LINKED.name)
     assert re.search(rf"the real node [\d.]+ ms; .*{linked} [\d.]+ ms", engine)

@@ -12,16 +12,28 @@ import argparse
 import contextlib
 import json
 import re
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.wire import REQUEST_LISTS
 
-SLIM_KEYS = ("ttfts", "latencies", "output_lens", "itls", "steps", *REQUEST_LISTS)
+SLIM_KEYS = (
+    "ttfts", "latencies", "output_lens", "itls", "start_times", "steps",
+    *REQUEST_LISTS,
+)  # fmt: skip
 """The lists of a leg a cell keeps: vLLM's per-request lists (`combined` and
 the comparison with the ideal read them), the worker's steps over the leg
 (`attribution`) and what its requests recorded in the scheduler
 (`node_report`); the rest stay in vLLM's file."""
+REQUEST_ID_PREFIX = "kvfill-"
+"""What vLLM's client names a leg's requests by, before each one's index
+(``--request-id-prefix``): the proxy passes the name on (``X-Request-Id``)
+and vLLM keeps it in its own request id, so that what the engine recorded
+of a request pairs with what the client did (`ways_in_and_out`)."""
+ENGINE_REQUEST = re.compile(re.escape(REQUEST_ID_PREFIX) + r"(\d+)(?:-|$)")
+"""The client's index of a request, in the id vLLM gave it (``cmpl-``, the
+client's name, a random suffix)."""
 
 
 WARM_UP_TOKENS = 4
@@ -54,7 +66,9 @@ def bench(
     """One run of vLLM's own `vllm bench serve` against the server at
     `base_url` (its code, in this process: a new interpreter would import
     vLLM again every run); its result JSON (with each request's timings and
-    error), also left at `result`, its output beside it."""
+    error), also left at `result`, its output beside it, with
+    ``wall_clock_offset``: the wall clock less the client's clock
+    (`time.perf_counter`, its ``start_times``)."""
     from vllm.benchmarks.serve import add_cli_args, main
 
     arguments = [
@@ -65,12 +79,14 @@ def bench(
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--request-id-prefix", REQUEST_ID_PREFIX,
         "--save-result", "--save-detailed", "--result-dir", str(result.parent),
         "--result-filename", result.name, *workload.extra,
     ]  # fmt: skip
     parser = argparse.ArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     log = result.with_suffix(".log")
+    offset = time.time() - time.perf_counter()
     with log.open("w") as out, contextlib.redirect_stdout(out):
         try:
             main(parser.parse_args(arguments))
@@ -78,7 +94,7 @@ def bench(
             raise RuntimeError(
                 f"vllm bench serve failed: {type(error).__name__}: {error}"
             ) from error
-    return json.loads(result.read_text())
+    return json.loads(result.read_text()) | {"wall_clock_offset": offset}
 
 
 def warm_up(base_url: str, workload: Workload, seed: int, result: Path) -> None:
@@ -167,7 +183,9 @@ def request_seconds(result: dict) -> dict[str, list[float]]:
     the request's arrival at the server to the engine's first token)."""
     seconds: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": []}
     if result.get("first_tokens"):
-        seconds["engine_ttft"] = list(result["first_tokens"])
+        seconds["engine_ttft"] = [
+            first - arrival for _, arrival, first in result["first_tokens"]
+        ]
     for ttft, latency, length, itls in zip(
         result["ttfts"], result["latencies"], result["output_lens"],
         result["itls"], strict=True,
@@ -177,6 +195,28 @@ def request_seconds(result: dict) -> dict[str, list[float]]:
         if length > 1:
             seconds["tpot"].append((latency - ttft) / (length - 1))
     return seconds
+
+
+def ways_in_and_out(result: dict) -> list[tuple[float, float]]:
+    """Each request of a leg the engine recorded (the probe's
+    ``first_tokens``), paired with the client's by its name: its way in
+    (sent by vLLM's client to its arrival at the server, vLLM's
+    ``arrival_time``) and its way out (the engine's first token for it to the
+    client's), in seconds. Both are on the wall clock (``wall_clock_offset``);
+    their sum with the engine's TTFT is the client's TTFT."""
+    offset = result.get("wall_clock_offset")
+    if offset is None:
+        return []
+    sent = [
+        (start + offset, start + ttft + offset)
+        for start, ttft in zip(result["start_times"], result["ttfts"], strict=True)
+    ]
+    ways = []
+    for request_id, arrival, first in result.get("first_tokens", []):
+        if (named := ENGINE_REQUEST.search(request_id)) and int(named[1]) < len(sent):
+            start, received = sent[int(named[1])]
+            ways.append((arrival - start, received - first))
+    return ways
 
 
 def combined(results: list[dict]) -> dict:

@@ -5,6 +5,7 @@ again where their figures are not the server's, each round recorded."""
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,13 @@ class Leg:
 def warm_up_file(result: Path) -> Path:
     """Where a leg's warm-up leaves vLLM's result, beside the leg's."""
     return result.with_suffix(".warm-up.json")
+
+
+def engine_file(result: Path) -> Path:
+    """Where a leg's steps and what its requests recorded in the engine
+    (`wire.REQUEST_LISTS`) are left, beside vLLM's result, with the clock
+    that pairs them with the client's times (``wall_clock_offset``)."""
+    return result.with_suffix(".engine.json")
 
 
 class Measurer:
@@ -190,6 +198,8 @@ class Measurer:
             for key in (*COUNTS, "preemptions")
         }
         lists = {key: after[key] for key in ("steps", *REQUEST_LISTS)}
+        clock = {"wall_clock_offset": figures["wall_clock_offset"]}
+        engine_file(result).write_text(json.dumps(lists | clock))
         return figures, counts | lists
 
     def record(self, cell: Cell, label: str, round_: int, legs: list[dict]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_kvfill_patch.fidelity.attribution import step_p50_ms, steps_of
+from vllm_kvfill_patch.fidelity.client import ways_in_and_out
 from vllm_kvfill_patch.fidelity.modes import NODE
 from vllm_kvfill_patch.fidelity.report import Row, against
 from vllm_kvfill_patch.fidelity.stats import Ratio
@@ -163,24 +164,28 @@ def engine_line(node: Row, emulated: list[Row]) -> str:
 
 
 def phases_line(found: list[Row]) -> str:
-    """Where each mode's TTFT went (p50s): the way in and out (the client's
-    TTFT less the engine's), arrival at the server to admission, the wait
-    for its KV, and its first step (the engine's TTFT less both)."""
+    """Where each mode's TTFT went (p50s): the way in (vLLM's client to the
+    request's arrival at the server), arrival to admission, the wait for
+    its KV, its first step (the engine's TTFT less both), and the way out
+    (the engine's first token to the client's); the way in and out from
+    each request's own times (`client.ways_in_and_out`)."""
     parts = []
     for row in found:
         admission = p50_ms(row.cell.legs, "admissions")
         engine = row.figures.get(ENGINE_TTFT)
-        if admission is None or engine is None:
+        ways = [way for leg in row.cell.legs for way in ways_in_and_out(leg)]
+        if admission is None or engine is None or not ways:
             continue
+        way_in, way_out = np.median(np.asarray(ways), axis=0) * 1000
         wait = kv_wait_p50_ms(row.cell.legs) or 0.0
-        way = row.figures["median_ttft_ms"] - engine
         step = engine - admission - wait
         parts.append(
-            f"{row.key.mode} {way:.1f} + {admission:.1f} + {wait:.1f} + {step:.1f} ms"
+            f"{row.key.mode} {way_in:.1f} + {admission:.1f} + {wait:.1f} + "
+            f"{step:.1f} + {way_out:.1f} ms"
         )
     return (
-        "TTFT p50 as the way in and out + arrival to admission + wait for KV + "
-        "first step: " + "; ".join(parts)
+        "TTFT p50 as the way in + arrival to admission + wait for KV + first "
+        "step + the way out: " + "; ".join(parts)
         if parts
         else "no admission recorded"
     )

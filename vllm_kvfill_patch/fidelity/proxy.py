@@ -42,7 +42,8 @@ class Routes:
     phase: Phase = Phase.DECODE
     ahead: dict[str, list[dict]] = field(default_factory=dict)
     """Transfer parameters by prompt, in the order they were prefilled: a
-    prompt sent twice (vLLM's client tests its first one) is read twice."""
+    prompt sent twice (vLLM's client's ready check, where a user asks for
+    it, sends the first one again) is read twice."""
     counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("ahead", "replayed", "inline", "refused", "passed"), 0
@@ -50,6 +51,7 @@ class Routes:
     )
 
 
+NAME = "X-Request-Id"
 ROUTES = web.AppKey("routes", Routes)
 SESSION = web.AppKey("session", ClientSession)
 
@@ -108,8 +110,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def relay(
     request: web.Request, session: ClientSession, url: str, body: dict
 ) -> web.StreamResponse:
-    """`body` sent to `url`, its answer streamed back as it comes."""
-    async with session.post(url, json=body) as upstream:
+    """`body` sent to `url` under the request's name (``X-Request-Id``, which
+    vLLM keeps in its request id), its answer streamed back as it comes."""
+    named = {NAME: request.headers[NAME]} if NAME in request.headers else None
+    async with session.post(url, json=body, headers=named) as upstream:
         response = web.StreamResponse(status=upstream.status)
         response.content_type = upstream.content_type
         await response.prepare(request)

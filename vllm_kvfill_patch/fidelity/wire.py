@@ -147,14 +147,14 @@ class Answer(TypedDict):
     # seconds from each request's arrival at the server to its admission
     # (vLLM's arrival time, wall clock), since its last answer
     admissions: list[float]
-    # seconds from each request's arrival at the server to the engine's
-    # first token for it (the scheduler took it from the worker's output),
-    # since its last answer
-    first_tokens: list[float]
+    # each request's id, its arrival at the server and the engine's first
+    # token for it (the scheduler took it from the worker's output), wall
+    # clock, since its last answer
+    first_tokens: list[tuple[str, float, float]]
 
 
 REQUEST_LISTS = ("kv_waits", "admissions", "first_tokens")
-"""The lists of seconds a probe records per request, handed out once each
+"""The lists a probe records per request, handed out once each
 (`Answer`): a leg keeps what its requests recorded."""
 
 
