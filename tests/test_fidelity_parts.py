@@ -18,7 +18,12 @@ from pathlib import Path
 
 from vllm_kvfill_patch.fidelity import probe
 from vllm_kvfill_patch.fidelity.client import read_in_bursts, rerun_reason
-from vllm_kvfill_patch.fidelity.cores import LOWERED_NICENESS, Placement, measuring
+from vllm_kvfill_patch.fidelity.cores import (
+    FRONT_PRIORITY,
+    LOWERED_NICENESS,
+    Placement,
+    measuring,
+)
 from vllm_kvfill_patch.fidelity.modes import IDEAL, PACKAGE, UPSTREAM
 from vllm_kvfill_patch.fidelity.serve import SITE, ask, mismatch
 from vllm_kvfill_patch.fidelity.wire import (
@@ -212,9 +217,10 @@ def test_a_process_bound_to_fewer_cores_keeps_them_and_the_rest_move_off(tmp_pat
     # An API server's stand-in that starts two more processes, as vLLM's
     # starts its engine core and worker.
     tree = (
-        "import subprocess, sys, time\n"
+        "import subprocess, sys, threading, time\n"
         "children = [subprocess.Popen([sys.executable, '-c', "
         "'import time; time.sleep(120)']) for _ in range(2)]\n"
+        "threading.Thread(target=time.sleep, args=(120,), daemon=True).start()\n"
         "print(*(child.pid for child in children), flush=True)\n"
         "time.sleep(120)\n"
     )
@@ -232,28 +238,39 @@ def test_a_process_bound_to_fewer_cores_keeps_them_and_the_rest_move_off(tmp_pat
         assert placement is not None
         assert placement.workers == (worker,)
         assert placement.front_cores == frozenset(cores[1:])
+        # Root here, as in CI: the API server's threads may go first.
+        assert placement.first, "real-time scheduling is not permitted here"
         assert sorted(placement.apply(leader.pid)) == [engine]
-        for pid, on, niceness in (
-            (leader.pid, cores[1:], 0),
-            (engine, cores[1:], LOWERED_NICENESS),
-            (worker, cores[:1], 0),
+        for pid, on, niceness, policy in (
+            (leader.pid, cores[1:], 0, os.SCHED_RR),
+            (engine, cores[1:], LOWERED_NICENESS, os.SCHED_OTHER),
+            (worker, cores[:1], 0, os.SCHED_OTHER),
         ):
-            for thread in os.listdir(f"/proc/{pid}/task"):
-                assert sorted(os.sched_getaffinity(int(thread))) == on, pid
-                assert os.getpriority(os.PRIO_PROCESS, int(thread)) == niceness
+            threads = [int(thread) for thread in os.listdir(f"/proc/{pid}/task")]
+            assert len(threads) == (2 if pid == leader.pid else 1)
+            for thread in threads:
+                assert sorted(os.sched_getaffinity(thread)) == on, pid
+                assert os.getpriority(os.PRIO_PROCESS, thread) == niceness
+                assert os.sched_getscheduler(thread) == policy, pid
+            if policy == os.SCHED_RR:
+                assert os.sched_getparam(pid).sched_priority == FRONT_PRIORITY
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()
 
 
-def test_vllms_client_measures_on_the_given_cores_without_the_garbage_collector():
+def test_vllms_client_measures_first_on_the_front_without_the_garbage_collector():
     before = os.sched_getaffinity(0)
     one = frozenset({min(before)})
-    with measuring(one):
+    with measuring(Placement((), frozenset(), one, first=True)):
         assert os.sched_getaffinity(0) == one
+        assert os.sched_getscheduler(0) == os.SCHED_RR
         assert not gc.isenabled()
     assert os.sched_getaffinity(0) == before
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
     assert gc.isenabled()
+    with measuring(Placement((), frozenset(), one)):
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
     with measuring(None):
         assert os.sched_getaffinity(0) == before
         assert not gc.isenabled()

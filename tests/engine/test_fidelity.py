@@ -306,8 +306,12 @@ def test_vllms_processes_ran_on_the_cores_the_tool_gave_them(run):
         assert seen["VLLM::Worker"]["cores"] == workers, name
         assert seen["VLLM::EngineCor"]["cores"] == front, name
         assert seen["VLLM::EngineCor"]["niceness"] == LOWERED_NICENESS, name
-        assert seen["vllm"] == {"process": "vllm", "cores": front, "niceness": 0}
-        said = Placement((), frozenset(workers), frozenset(front)).describe()
+        assert seen["VLLM::EngineCor"]["policy"] == os.SCHED_OTHER, name
+        assert seen["vllm"] == {
+            "process": "vllm", "cores": front, "niceness": 0, "policy": os.SCHED_RR
+        }  # fmt: skip
+        said = Placement((), frozenset(workers), frozenset(front), True).describe()
+        assert "the tool's proxy, the API server) first there (SCHED_RR 1)" in said
         assert f"{name}: serving on port" in run["stdout"] and said in run["stdout"]
 
 

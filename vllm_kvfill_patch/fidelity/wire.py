@@ -126,7 +126,7 @@ class Answer(TypedDict):
 
     answered: int  # the question it answers (0: saved at the process's start)
     kernels: list[str]  # the vLLM kernel libraries it mapped
-    placement: dict[str, Any]  # its name (process), cores and niceness
+    placement: dict[str, Any]  # its name (process), cores, niceness, policy
     # After a setting: what holds, {"skipped": why} in a process without the
     # connector, or {"error": why}; None before any.
     switch: InForce | dict[str, str] | None
