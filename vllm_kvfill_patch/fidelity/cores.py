@@ -34,8 +34,8 @@ FRONT_PRIORITY = 1
 is ready, as on a machine with cores to spare, and the engine side gets what
 it leaves. Niceness alone does not do it: under EEVDF a task that ran while
 the others slept (the proxy, through the real node's ahead phase) is not
-eligible again until they catch up, and was kept runnable and unscheduled
-for 96 ms while the engine core spun at niceness 10 (docs/benchmark.md)."""
+eligible again until they catch up, and waited, runnable, while the engine
+core spun (docs/benchmark.md, "The node's way in and out")."""
 
 
 def _session_processes(leader: int) -> list[int]:
