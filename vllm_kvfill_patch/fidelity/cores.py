@@ -78,11 +78,17 @@ def real_time_permitted() -> bool:
         return False
     before = os.sched_getscheduler(0), os.sched_getparam(0)
     try:
-        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
+        _first(0)
     except PermissionError:
         return False
     os.sched_setscheduler(0, *before)
     return True
+
+
+def _first(thread: int) -> None:
+    """`thread` (0: the calling one) in the real-time class at
+    `FRONT_PRIORITY`."""
+    os.sched_setscheduler(thread, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
 
 
 def put_first(pid: int) -> None:
@@ -90,7 +96,7 @@ def put_first(pid: int) -> None:
     `FRONT_PRIORITY` (`real_time_permitted` says whether it may be)."""
     for thread in _threads(pid):
         with contextlib.suppress(OSError):  # a thread that ended
-            os.sched_setscheduler(thread, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
+            _first(thread)
 
 
 @dataclass(frozen=True)
@@ -182,7 +188,7 @@ def measuring(placement: Placement | None) -> Iterator[None]:
         )
         os.sched_setaffinity(0, placement.front_cores)
         if placement.first:
-            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(FRONT_PRIORITY))
+            _first(0)
     gc.collect()
     gc.disable()
     try:
