@@ -160,7 +160,8 @@ def applied_reason(vllm_version: str, semantics: str = DECODE_NODE_DEFAULT) -> s
 
 def applied_parts(vllm_version: str, refill: bool = False) -> list[str]:
     """The parts of the patch the policy's defects call for (``PatchStatus.parts``),
-    with the opt-in refill where asked."""
+    the link's metrics (every applied release has the stats API and a
+    synchronous connector), with the opt-in refill where asked."""
     from vllm_kvfill_patch.releases import policy_for
 
     defects = set(policy_for(vllm_version).defects)
@@ -169,6 +170,7 @@ def applied_parts(vllm_version: str, refill: bool = False) -> list[str]:
         "fill-once": "zero_token_fill" in defects,
         "prefix-hit": "hit_blocks" in defects,
         "options": True,
+        "link-metrics": True,
         "refill": refill,
     }
     return [part for part, needed in parts.items() if needed]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import math
 import re
 
@@ -47,6 +49,30 @@ def runner_output_fields() -> dict[str, dataclasses.Field]:
     return {field.name: field for field in dataclasses.fields(ModelRunnerOutput)}
 
 
+def rank_kv_output(rank, finished_req_ids: set[str]):
+    """A rank's connector output for a step, as vLLM's model runner asks
+    for it (``kv_connector_model_runner_mixin``): the transfers finished
+    (with the failed loads by request, 0.32+), the blocks that failed to
+    load, the connector's stats."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    fields = {field.name for field in dataclasses.fields(KVConnectorOutput)}
+    output = KVConnectorOutput()
+    if "failed_recving" in fields:
+        results = rank.get_transfer_results(finished_req_ids)
+        output.finished_sending = results.finished_sending or None
+        output.finished_recving = results.finished_recving or None
+        output.failed_recving = results.failed_recving
+    else:
+        sending, recving = rank.get_finished(finished_req_ids)
+        output.finished_sending, output.finished_recving = sending, recving
+    if "invalid_block_ids" in fields:
+        output.invalid_block_ids = rank.get_block_ids_with_load_errors()
+    if "kv_connector_stats" in fields:
+        output.kv_connector_stats = rank.get_kv_connector_stats()
+    return output
+
+
 class Clock:
     """The link's clock, in whole milliseconds (no rounding at the edges)."""
 
@@ -60,7 +86,7 @@ class Clock:
 class Node:
     """A decode node of vLLM's scheduler and two worker ranks."""
 
-    def __init__(self, vllm_config, hybrid: bool = True) -> None:
+    def __init__(self, vllm_config, hybrid: bool = True, policy: str = "") -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import (
             KVOutputAggregator,
         )
@@ -77,6 +103,8 @@ class Node:
         vllm_config.cache_config.enable_prefix_caching = False
         if hasattr(vllm_config.cache_config, "mamba_cache_mode"):
             vllm_config.cache_config.mamba_cache_mode = "none"
+        if policy and hasattr(vllm_config.kv_transfer_config, "kv_load_failure_policy"):
+            vllm_config.kv_transfer_config.kv_load_failure_policy = policy
         self.scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -97,6 +125,8 @@ class Node:
             arrivals_of(rank.connector_worker).clock = self.clock
         self.reports: list[list[set]] = []
         """Per step, what each rank reported received."""
+        self.stats: list = []
+        """The steps' connector stats, as vLLM's aggregator merged the ranks'."""
 
     def add(self, request_id: str):
         request = make_request(request_id)
@@ -107,7 +137,7 @@ class Node:
         """One scheduler step: schedule, each rank's connector (its forward
         pass taking `forward_ms` between ``start_load_kv`` and
         ``get_finished``), the aggregated output back to the scheduler."""
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
         fields_of = runner_output_fields()
         # A step's sampled tokens per request: arrays in 0.11, lists later.
@@ -124,15 +154,13 @@ class Node:
             rank.start_load_kv(None)
         self.clock.ms += forward_ms
         for rank in self.ranks:
-            sending, recving = rank.get_finished(output.finished_req_ids)
+            kv_output = rank_kv_output(rank, output.finished_req_ids)
             rank.clear_connector_metadata()
-            reported.append(set(recving or ()))
+            reported.append(set(kv_output.finished_recving or ()))
             fields = {
                 "req_ids": scheduled,
                 "sampled_token_ids": [sampled([7]) for _ in scheduled],
-                "kv_connector_output": KVConnectorOutput(
-                    finished_sending=sending, finished_recving=recving
-                ),
+                "kv_connector_output": kv_output,
             }
             if "req_id_to_index" in fields_of:  # up to 0.33; derived in 0.34
                 fields["req_id_to_index"] = {r: i for i, r in enumerate(scheduled)}
@@ -140,9 +168,10 @@ class Node:
                 dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT, **fields)
             )
         self.reports.append(reported)
-        self.scheduler.update_from_output(
-            output, self.aggregator.aggregate(rank_outputs)
-        )
+        aggregated = self.aggregator.aggregate(rank_outputs)
+        if stats := getattr(aggregated.kv_connector_output, "kv_connector_stats", None):
+            self.stats.append(stats)
+        self.scheduler.update_from_output(output, aggregated)
         return output
 
     def blocks(self, request_id: str) -> list[int]:
@@ -422,3 +451,160 @@ def test_a_transfer_carries_what_the_real_nixl_node_received():
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     link = Link(LinkModel(), bytes_per_block(config))
     assert link.bytes_of(([1, 2], [3], [4], [5])) == 472_576
+
+
+def test_every_worker_announces_its_link_and_the_bytes_it_reads(node_for):
+    """Through vLLM's handshake channel, as NIXL's workers do: each rank's
+    bytes per block of every group, from its own layers' specs."""
+    from vllm_kvfill_patch.link_handshake import Announcement
+
+    node = node_for(transfer_latency_ms=5)
+    announced = [rank.get_handshake_metadata() for rank in node.ranks]
+    assert all(isinstance(said, Announcement) for said in announced)
+    assert {said.bytes_per_block for said in announced} == {node.link.bytes_per_block}
+    hand_over(node.scheduler.connector, {(0, 0): announced[0]})
+    assert node_for().ranks[0].get_handshake_metadata() is None  # no link: upstream's
+
+
+def hand_over(connector, metadata: dict) -> str:
+    """What vLLM's engine core does at startup with the workers' handshake
+    metadata, keyed by (pp_rank, tp_rank): the PP-aware setter from 0.23,
+    the other keyed by tensor rank before. How it names a worker."""
+    if hasattr(connector, "set_xfer_handshake_metadata_pp_aware"):
+        connector.set_xfer_handshake_metadata_pp_aware(metadata)
+        return "worker (pp {}, tp {})"
+    connector.set_xfer_handshake_metadata(
+        {tp: said for (_, tp), said in metadata.items()}
+    )
+    return "worker (tp {1})"
+
+
+def test_a_worker_that_did_not_announce_the_link_stops_the_engine(node_for):
+    """With two tensor-parallel ranks, rank 1 silent: the scheduler side
+    refuses at startup, naming the option, the worker and why."""
+    node = node_for(transfer_latency_ms=5)
+    connector = node.scheduler.connector
+    connector._vllm_config.parallel_config.tensor_parallel_size = RANKS
+    announced = node.ranks[0].get_handshake_metadata()
+    with pytest.raises(RuntimeError) as refused:
+        hand_over(connector, {(0, 0): announced})
+    said = str(refused.value)
+    named = hand_over(connector, {(0, tp): announced for tp in range(RANKS)})
+    assert "'transfer_latency_ms'" in said and named.format(0, 1) in said
+    assert "KVFILL_PATCH_DISABLE=1" in said and "wait for its KV for ever" in said
+
+
+@pytest.fixture
+def fails_by_request() -> bool:
+    from vllm_kvfill_patch.options import fails_by_request
+
+    return fails_by_request()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_transfer_is_a_failed_load_for_vllms_policy(
+    policy, vllm_config_for, hybrid, fails_by_request
+):
+    """Nothing is written; every rank reports the request finished and its
+    load failed in one step; vLLM's ``kv_load_failure_policy`` does the rest:
+    ``recompute`` computes the whole prompt locally, ``fail`` ends the
+    request with an error and frees its blocks. (Up to 0.31 vLLM takes a
+    failed load by its blocks, of one KV-cache group: the attention group
+    alone there.)"""
+    from vllm.config import KVTransferConfig
+    from vllm.v1.request import RequestStatus
+
+    has_policy = "kv_load_failure_policy" in str(inspect.signature(KVTransferConfig))
+    if policy == "fail" and not has_policy:
+        pytest.skip(
+            "vLLM 0.11 - 0.12 have no kv_load_failure_policy: a failed load is "
+            "always recomputed there"
+        )
+    with opt_ins_forgotten():
+        node = Node(
+            vllm_config_for(transfer_latency_ms=10, transfer_failure_rate=1.0),
+            hybrid and fails_by_request,
+            policy,
+        )
+        free = node.free_blocks()
+        request = node.add("r")
+        before = snapshot(node)
+        node.step()
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        node.step(advance_ms=10)
+        assert node.reports[-1] == [{"r"}, {"r"}]
+        assert node.changed_pages(before) == [set(), set()]
+        if policy == "fail":
+            assert request.status == RequestStatus.FINISHED_ERROR
+            assert node.free_blocks() == free
+            assert "r" not in node.scheduler.requests
+            return
+        recomputed = node.step()
+        assert dict(recomputed.num_scheduled_tokens) == {"r": PROMPT_LEN}
+        assert request.num_computed_tokens == PROMPT_LEN
+
+
+def failed_transfers(vllm_config, transfers: int) -> list[str]:
+    """The ids of `transfers` transfers the scheduler side fails."""
+    from tests.hybrid import scheduler_connector
+
+    link = scheduler_connector(vllm_config, [BLOCK_SIZE]).connector_scheduler
+    started = link._kvfill_link.admit(
+        {f"r{k}": (([1],), BLOCK_SIZE) for k in range(transfers)}
+    )
+    return [rid for rid, transfer in started.items() if transfer.failed]
+
+
+def test_the_failures_follow_the_rate_and_vllms_seed(vllm_config_for):
+    """400 transfers at 0.5: the count inside the binomial's 99.99% range
+    (200 +- 3.9 sd); the same transfers fail for the same seed, others for
+    another."""
+    config = vllm_config_for(transfer_latency_ms=5, transfer_failure_rate=0.5)
+    with opt_ins_forgotten():
+        failed = failed_transfers(config, 400)
+        assert 161 <= len(failed) <= 239
+        assert failed_transfers(copy.deepcopy(config), 400) == failed
+        reseeded = copy.deepcopy(config)
+        reseeded.model_config.seed = 1234
+        assert failed_transfers(reseeded, 400) != failed
+
+
+def test_the_links_transfers_reach_vllms_metrics(node_for, hybrid):
+    """Each rank's stats (bytes on its rank, seconds from admission to its
+    report, failures), aggregated by vLLM's aggregator (two requests on two
+    ranks: four reads, as NIXL counts them), built back by the class method
+    vLLM's stat logger calls, and recorded under the emulated names."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from vllm_kvfill_patch.link_stats import LinkStats
+
+    node = node_for(transfer_latency_ms=20)
+    for request_id in "ab":
+        node.add(request_id)
+    for _ in range(4):
+        node.step(advance_ms=10)
+    assert len(node.stats) == 1 and isinstance(node.stats[0], LinkStats)
+    connector_cls = type(node.ranks[0])
+    rebuilt = connector_cls.build_kv_connector_stats(dict(node.stats[0].data))
+    request_bytes = node.link.bytes_of(([1, 2, 3], [4])[: 1 + hybrid])
+    assert rebuilt.reduce() == {
+        "Emulated transfers": 4,
+        "Emulated failed transfers": 0,
+        "Emulated avg xfer time (ms)": 20.0,
+        "Emulated max xfer time (ms)": 20.0,
+        "Emulated MB transferred": round(4 * request_bytes / 2**20, 3),
+    }
+    registry = CollectorRegistry()
+    types = {
+        kind: functools.partial(kind, registry=registry)
+        for kind in (Counter, Gauge, Histogram)
+    }
+    prom = connector_cls.build_prom_metrics(
+        node.scheduler.connector._vllm_config, types, ["engine"], {0: ["0"]}
+    )
+    prom.observe(rebuilt.to_dict(), 0)
+    read = registry.get_sample_value
+    assert read("vllm:emulated_kv_xfer_time_seconds_count", {"engine": "0"}) == 4
+    assert read("vllm:emulated_kv_bytes_transferred_sum", {"engine": "0"}) == (
+        4 * request_bytes
+    )

@@ -146,3 +146,53 @@ def test_the_switch_off_overrules_the_option_and_says_so_once(
         assert "refill" not in vllm_kvfill_patch.status().parts
     said = [r for r in vllm_log if "true in the connector's options" in r.getMessage()]
     assert len(said) == 1
+
+
+MISSPELT = {
+    "latency": ("transfer_latncy_ms", "transfer_latency_ms"),
+    "bandwidth": ("transfer_gpbs", "transfer_gbps"),
+    "failure rate": ("transfer_failure_rat", "transfer_failure_rate"),
+    "upstream's mean": ("fill_maen", "fill_mean"),
+}
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+@pytest.mark.parametrize("case", MISSPELT)
+def test_a_misspelt_option_is_an_error_naming_the_option_meant(
+    case, role, vllm_config_for
+):
+    key, meant = MISSPELT[case]
+    with pytest.raises(
+        ValueError, match=rf"'{key}' is not an option; did you mean '{meant}'\?"
+    ):
+        build(role, vllm_config_for(**{key: 200}))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [1.5, -0.1, math.nan, "0.5", True],
+    ids=["1.5", "-0.1", "nan", "text", "true"],
+)
+def test_a_failure_rate_outside_zero_to_one_is_an_error(value, vllm_config_for):
+    config = vllm_config_for(transfer_latency_ms=5, transfer_failure_rate=value)
+    with pytest.raises(ValueError, match=r"'transfer_failure_rate' must be"):
+        build("scheduler", config)
+
+
+def test_a_failure_rate_without_the_link_is_an_error(vllm_config_for):
+    with pytest.raises(
+        ValueError, match=r"'transfer_failure_rate' must be 0 unless transfer_latency"
+    ):
+        build("scheduler", vllm_config_for(transfer_failure_rate=0.1))
+
+
+def test_an_unknown_key_is_one_warning_naming_it(vllm_config_for, vllm_log):
+    """A key of no option of the connector (here NIXL's lease, in a config
+    shared between servers) builds the connector, with one warning."""
+    config = vllm_config_for(kv_lease_duration=900, fill_mean=0.0)
+    for role in ("scheduler", "worker", "scheduler"):
+        build(role, config)
+    said = [r.getMessage() for r in vllm_log if "'kv_lease_duration'" in r.getMessage()]
+    assert len(said) == 1
+    assert "is not an option of DecodeBenchConnector" in said[0]
+    assert "transfer_failure_rate" in said[0] and "fill_mean" in said[0]

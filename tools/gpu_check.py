@@ -731,13 +731,17 @@ def link_arrivals(device: torch.device) -> Verdict:
     worker, layout = workers_for(rig, False)[0]
     setattr(worker, worker_step().LAYOUT_ATTR, layout)
     fill = (tuple(step_block_ids(rig, 1, 5)[0]), 16)
-    arrived = {"r0": (fill, 0.0), "r1": (fill, 0.0)}
+    arrived = {"r0": link.Transfer(fill, 0.0), "r1": link.Transfer(fill, 0.0)}
     metadata = SimpleNamespace(**{link.TRANSFERS_ATTR: arrived})
     connector = SimpleNamespace(connector_worker=worker, _connector_metadata=metadata)
 
     def reported() -> set:
         _, recving = link.report_arrivals(
-            lambda _ids: (None, None), connector, (set(),), {}
+            worker_step().fill_arrived,
+            lambda _ids: (None, None),
+            connector,
+            (set(),),
+            {},
         )
         return set(recving or ())
 

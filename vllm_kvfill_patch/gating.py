@@ -39,7 +39,12 @@ REFILL = "refill"
 (``preemption``), for a decode node with an offload tier."""
 LINK = "link"
 """The opt-in part on both sides: a request's KV arrives over a modelled
-link, through vLLM's async-load path (``link``)."""
+link, through vLLM's async-load path (``link``, ``link_handshake``,
+``link_stats``)."""
+LINK_METRICS = "link-metrics"
+"""Where the link can go in: vLLM's stat loggers read the link's transfers
+(``link_stats``), in every process, as the API server's builds no connector
+to learn of the link from."""
 
 
 class Decision(str, enum.Enum):
@@ -179,12 +184,23 @@ def _judge_by_probes(module: ModuleType, worker_cls: type) -> Verdict:
         defects.append(DEFECTS["zero_token_fill"])
     if prefix_hit:
         defects.append(DEFECTS["hit_blocks"])
+    metrics = (LINK_METRICS,) if link_available and _has_stats_api(module) else ()
     return Verdict(
         Decision.APPLIED,
         "; ".join(defects),
-        (*parts, OPTIONS),
+        (*parts, OPTIONS, *metrics),
         refill_available,
         link_available,
+    )
+
+
+def _has_stats_api(module: ModuleType) -> bool:
+    """Whether vLLM reads a connector's stats into its metrics
+    (``build_kv_connector_stats``, ``build_prom_metrics``)."""
+    connector_cls = module.DecodeBenchConnector
+    return all(
+        callable(getattr(connector_cls, name, None))
+        for name in ("build_kv_connector_stats", "build_prom_metrics")
     )
 
 

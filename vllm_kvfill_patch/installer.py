@@ -39,6 +39,7 @@ from vllm_kvfill_patch.gating import (
     FILL,
     FILL_ONCE,
     LINK,
+    LINK_METRICS,
     OPTIONS,
     PREFIX_HIT,
     REFILL,
@@ -79,8 +80,9 @@ class PatchStatus:
     """The parts of the patch active in this process: "fill" (worker side,
     ``worker_step``), "fill-once", "prefix-hit" and the opt-in "refill"
     (scheduler side: ``fill_once``, ``prefix_hit``, ``preemption``), the
-    opt-in "link" (both sides: ``link``) and "options" (the connector's
-    options checked: ``options``)."""
+    opt-in "link" (both sides: ``link``), "link-metrics" (the link's
+    transfers read into vLLM's metrics: ``link_stats``) and "options" (the
+    connector's options checked: ``options``)."""
     semantics: str = NOT_APPLIED
     """What the benchmark emulates after a preemption: a decode node's
     recompute, or (the opt-in refill) a node with an offload tier; with the
@@ -403,20 +405,23 @@ def _without_link(applied: PatchStatus) -> PatchStatus:
 
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
     for part in parts:
-        for path, wrapper in _wrappers(part).items():
+        for path, wrapper in _wrappers(part, module).items():
             if path not in _installer.handles:
                 _installer.handles[path] = wrapt.wrap_function_wrapper(
                     module, path, _while_ours(path, wrapper)
                 )
 
 
-def _wrappers(part: str) -> Mapping[str, Wrapper]:
-    """What `part` wraps, by dotted path in the connector module; the options
-    part is handed :func:`refill_opted_in` to report a refill to."""
+def _wrappers(part: str, module: ModuleType) -> Mapping[str, Wrapper]:
+    """What `part` wraps, by dotted path in the connector `module`; the
+    options part is handed the callbacks to report an opt-in to, the link
+    part the worker's fill."""
     # Imported here: they import vLLM's logger, and vLLM is loaded by now.
     from vllm_kvfill_patch import (
         fill_once,
         link,
+        link_handshake,
+        link_stats,
         options,
         preemption,
         prefix_hit,
@@ -425,12 +430,19 @@ def _wrappers(part: str) -> Mapping[str, Wrapper]:
 
     if part == OPTIONS:
         return options.wrappers(options.Reporters(refill_opted_in, link_opted_in))
+    if part == LINK:
+        connector = module.DecodeBenchConnector
+        return {
+            **link.wrappers(connector, worker_step.fill_arrived),
+            **link_handshake.wrappers(connector),
+            **link_stats.WORKER_WRAPPERS,
+        }
     by_part: dict[str, Mapping[str, Wrapper]] = {
+        LINK_METRICS: link_stats.READER_WRAPPERS,
         FILL: worker_step.WRAPPERS,
         FILL_ONCE: fill_once.WRAPPERS,
         PREFIX_HIT: prefix_hit.WRAPPERS,
         REFILL: preemption.WRAPPERS,
-        LINK: link.WRAPPERS,
     }
     return by_part[part]
 

@@ -66,7 +66,9 @@ Remove when
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -75,6 +77,9 @@ from typing import Any
 
 LINK_ATTR = "_kvfill_link"
 """On the connector's scheduler side: its :class:`Link` (absent: no link model)."""
+MODEL_ATTR = "_kvfill_link_model"
+"""On the connector's worker side: the :class:`LinkModel` its options asked
+for (absent: no link model)."""
 TRANSFERS_ATTR = "_kvfill_transfers"
 """On a step's connector metadata: the transfers the step started, by request
 id: the fill, and the seconds until it arrives."""
@@ -86,15 +91,21 @@ ARRIVALS_ATTR = "_kvfill_arrivals"
 
 Fill = tuple[tuple[list[int], ...], int]
 """Upstream's recorded fill: the block ids of each group, and the tokens."""
+FillArrived = Callable[[Any, Any, dict[str, Fill]], Any]
+"""``worker_step.fill_arrived``: fills a worker's arrived requests; returns
+the event their fill recorded (None: done). Handed over at install time."""
 
 
 @dataclass(frozen=True)
 class LinkModel:
-    """The link a request's KV crosses: a latency, and a bandwidth per rank."""
+    """The link a request's KV crosses: a latency, a bandwidth per rank, and
+    the fraction of transfers that fail (drawn from `seed`)."""
 
     latency_ms: float = 0.0
     gbps: float | None = None
     """Gigabits per second, per rank; None: no bandwidth limit."""
+    failure_rate: float = 0.0
+    seed: int = 0
 
     def seconds_for(self, nbytes: int) -> float:
         """The time `nbytes` take on the link, latency aside."""
@@ -102,11 +113,28 @@ class LinkModel:
 
     def __str__(self) -> str:
         if self.gbps is None:
-            return f"latency {self.latency_ms:g} ms, no bandwidth limit"
-        return (
-            f"latency {self.latency_ms:g} ms, {self.gbps:g} Gb/s per rank, "
-            "first come first served"
-        )
+            said = f"latency {self.latency_ms:g} ms, no bandwidth limit"
+        else:
+            said = (
+                f"latency {self.latency_ms:g} ms, {self.gbps:g} Gb/s per rank, "
+                "first come first served"
+            )
+        if self.failure_rate:
+            said += f", {self.failure_rate:g} of transfers failing (seed {self.seed})"
+        return said
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A request's transfer as the scheduler side started it, in the step's
+    metadata to every worker: the fill, the seconds until it arrives, the
+    bytes it carries on each rank, and whether it fails (then nothing is
+    written, and every worker reports it as a failed load)."""
+
+    fill: Fill
+    seconds: float
+    nbytes: int = 0
+    failed: bool = False
 
 
 @dataclass
@@ -124,17 +152,25 @@ class Link:
     """Started, and not scheduled yet (the workers may still hold them)."""
     dropped: list[str] = field(default_factory=list)
     """Transfers aborted in flight, for the workers to report without a fill."""
+    draws: random.Random = field(init=False)
+    """Which transfers fail: one draw per transfer, in the order admitted."""
 
-    def admit(self, fills: Mapping[str, Fill]) -> dict[str, tuple[Fill, float]]:
-        """Start a transfer for each fill, in order, on the one link: each
-        fill with the seconds until it arrives."""
+    def __post_init__(self) -> None:
+        self.draws = random.Random(self.model.seed)
+
+    def admit(self, fills: Mapping[str, Fill]) -> dict[str, Transfer]:
+        """Start a transfer for each fill, in order, on the one link."""
         now = self.clock()
         started = {}
         for request_id, fill in fills.items():
             nbytes = self.bytes_of(fill[0])
             start = max(now + self.model.latency_ms / 1e3, self.free_at)
             self.free_at = start + self.model.seconds_for(nbytes)
-            started[request_id] = (fill, self.free_at - now)
+            failed = (
+                self.model.failure_rate > 0
+                and self.draws.random() < self.model.failure_rate
+            )
+            started[request_id] = Transfer(fill, self.free_at - now, nbytes, failed)
             self.in_flight.add(request_id)
         return started
 
@@ -162,8 +198,6 @@ def bytes_per_block(kv_cache_config: Any) -> tuple[int, ...]:
     """Per KV-cache group, what a NIXL decode node reads of one block of
     every layer in it, on one rank: the page, or a state layer's states
     without the padding that aligns its page to the attention page."""
-    # Here: worker_step imports this module.
-    from vllm_kvfill_patch.worker_step import padded_state_bytes
 
     def layer_bytes(spec: Any) -> int:
         return padded_state_bytes(spec) or spec.page_size_bytes
@@ -178,6 +212,21 @@ def bytes_per_block(kv_cache_config: Any) -> tuple[int, ...]:
             else layer_bytes(spec) * len(group.layer_names)
         )
     return tuple(sizes)
+
+
+def padded_state_bytes(spec: Any) -> int | None:
+    """The bytes of a Mamba spec's states where its page is padded to a
+    larger size (to the attention page, so that groups share pages), else
+    None."""
+    shapes, dtypes = getattr(spec, "shapes", None), getattr(spec, "dtypes", None)
+    padded = getattr(spec, "page_size_padded", None)
+    if not (shapes and dtypes and isinstance(padded, int)):
+        return None
+    states = sum(
+        math.prod(shape) * dtype.itemsize
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+    return states if states < padded else None
 
 
 def loads_every_group() -> bool:
@@ -244,15 +293,41 @@ def drop_in_flight(wrapped: Any, scheduler: Any, args: tuple, kwargs: dict) -> A
     return wrapped(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A transfer on a worker: when the worker took it, and when it arrives,
+    by the worker's clock."""
+
+    transfer: Transfer
+    taken_at: float
+    arrives_at: float
+
+
+@dataclass(frozen=True)
+class Reported:
+    """A transfer a worker reported finished, for vLLM's connector stats."""
+
+    nbytes: int
+    seconds: float
+    """From the step that admitted it to its report."""
+    failed: bool
+
+
 @dataclass
 class Arrivals:
-    """A worker's transfers in flight, by request id (the fill, and when it
-    arrives by this worker's clock), and its arrived fills not reported yet
-    (ids, and the event their fill recorded; None: done)."""
+    """A worker's transfers: in flight, arrived and not reported yet (with
+    the event their fill recorded; None: done), and what it reported since
+    vLLM last asked (the failed loads, and each transfer for the stats)."""
 
     clock: Callable[[], float] = time.monotonic
-    in_flight: dict[str, tuple[Fill, float]] = field(default_factory=dict)
-    unreported: list[tuple[tuple[str, ...], Any]] = field(default_factory=list)
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
+    unreported: list[tuple[dict[str, InFlight | None], Any]] = field(
+        default_factory=list
+    )
+    """Arrived transfers by id (None: dropped in flight), and their fill's event."""
+    failed: dict[str, Transfer] = field(default_factory=dict)
+    """Reported finished, failed, and not yet told to vLLM as failed."""
+    reported: list[Reported] = field(default_factory=list)
     seen: Any = None
     """The metadata whose transfers were taken last: each step's, once."""
 
@@ -263,30 +338,53 @@ class Arrivals:
             return
         self.seen = metadata
         now = self.clock()
-        transfers = getattr(metadata, TRANSFERS_ATTR, {})
-        for request_id, (fill, seconds) in transfers.items():
-            self.in_flight[request_id] = (fill, now + seconds)
+        transfers: dict[str, Transfer] = getattr(metadata, TRANSFERS_ATTR, {})
+        for request_id, transfer in transfers.items():
+            self.in_flight[request_id] = InFlight(transfer, now, now + transfer.seconds)
         for request_id in getattr(metadata, DROPPED_ATTR, ()):
             if self.in_flight.pop(request_id, None) is not None:
-                self.unreported.append(((request_id,), None))
+                self.unreported.append(({request_id: None}, None))
 
-    def arrived(self) -> dict[str, Fill]:
-        """The fills whose transfers have arrived by now, taken out."""
+    def arrived(self) -> dict[str, InFlight]:
+        """The transfers that have arrived by now, taken out."""
         now = self.clock()
-        done = [rid for rid, (_, at) in self.in_flight.items() if at <= now]
-        return {rid: self.in_flight.pop(rid)[0] for rid in done}
+        done = [rid for rid, held in self.in_flight.items() if held.arrives_at <= now]
+        return {rid: self.in_flight.pop(rid) for rid in done}
 
     def ready(self) -> set[str]:
-        """The ids whose fills are done, taken out."""
+        """The ids whose fills are done, taken out; a failed one kept for
+        :meth:`take_failed`, and each one for :meth:`take_reported`."""
         done: set[str] = set()
         waiting = []
-        for ids, event in self.unreported:
-            if event is None or event.query():
-                done.update(ids)
-            else:
-                waiting.append((ids, event))
+        now = self.clock()
+        for held, event in self.unreported:
+            if event is not None and not event.query():
+                waiting.append((held, event))
+                continue
+            done.update(held)
+            for request_id, transfer in held.items():
+                if transfer is None:  # dropped in flight: no load to count
+                    continue
+                if transfer.transfer.failed:
+                    self.failed[request_id] = transfer.transfer
+                self.reported.append(
+                    Reported(
+                        transfer.transfer.nbytes,
+                        now - transfer.taken_at,
+                        transfer.transfer.failed,
+                    )
+                )
         self.unreported = waiting
         return done
+
+    def take_failed(self) -> dict[str, Transfer]:
+        """The failed transfers reported since the last call."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def take_reported(self) -> list[Reported]:
+        reported, self.reported = self.reported, []
+        return reported
 
 
 def arrivals_of(worker: Any) -> Arrivals:
@@ -304,10 +402,13 @@ def take_transfers(worker: Any, metadata: Any) -> None:
         arrivals_of(worker).take(metadata)
 
 
-def report_arrivals(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+def report_arrivals(
+    fill_arrived: FillArrived, wrapped: Any, connector: Any, args: tuple, kwargs: dict
+) -> Any:
     """Wrapper of ``DecodeBenchConnector.get_finished``, at the end of each
-    step: the transfers that have arrived are filled, and each is reported
-    once its fill is done, as NIXL's worker reports a read it finds done."""
+    step: the transfers that have arrived are filled by `fill_arrived` (the
+    failed ones are not), and each is reported once its fill is done, as
+    NIXL's worker reports a read it finds done."""
     sending, recving = wrapped(*args, **kwargs)
     worker = getattr(connector, "connector_worker", None)
     if worker is None:
@@ -315,14 +416,45 @@ def report_arrivals(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> 
     arrivals = arrivals_of(worker)
     arrivals.take(getattr(connector, "_connector_metadata", None))
     if arrived := arrivals.arrived():
-        # Here: worker_step imports this module.
-        from vllm_kvfill_patch.worker_step import fill_arrived
-
-        event = fill_arrived(connector, worker, arrived)
-        arrivals.unreported.append((tuple(arrived), event))
+        delivered = {
+            rid: held.transfer.fill
+            for rid, held in arrived.items()
+            if not held.transfer.failed
+        }
+        event = fill_arrived(connector, worker, delivered) if delivered else None
+        arrivals.unreported.append((dict(arrived), event))
     if ready := arrivals.ready():
         recving = set(recving or ()) | ready
     return sending, recving
+
+
+def report_failed_loads(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``DecodeBenchConnector.get_transfer_results`` (vLLM 0.32+):
+    a failed transfer is a failed load of its request, in the results that
+    report it finished, so that vLLM's ``kv_load_failure_policy`` decides."""
+    results = wrapped(*args, **kwargs)
+    worker = getattr(connector, "connector_worker", None)
+    if worker is not None and (failed := arrivals_of(worker).take_failed()):
+        results.failed_recving = set(results.failed_recving) | set(failed)
+    return results
+
+
+def report_failed_blocks(
+    wrapped: Any, connector: Any, args: tuple, kwargs: dict
+) -> Any:
+    """Wrapper of ``DecodeBenchConnector.get_block_ids_with_load_errors``
+    where vLLM has no failed loads by request (up to 0.31): the blocks of a
+    failed transfer, asked for after ``get_finished`` in the same step."""
+    block_ids = wrapped(*args, **kwargs)
+    worker = getattr(connector, "connector_worker", None)
+    if worker is None or not (failed := arrivals_of(worker).take_failed()):
+        return block_ids
+    return set(block_ids or ()) | {
+        block_id
+        for transfer in failed.values()
+        for group in transfer.fill[0]
+        for block_id in group
+    }
 
 
 def _scheduler_output_argument(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -333,10 +465,21 @@ def _request_argument(request: Any, *args: Any, **kwargs: Any) -> Any:
     return request
 
 
-WRAPPERS = {
-    "DecodeBenchConnector.get_num_new_matched_tokens": answer_async,
-    "DecodeBenchConnector.build_connector_meta": send_transfers,
-    "DecodeBenchConnectorScheduler.request_finished": drop_in_flight,
-    "DecodeBenchConnector.get_finished": report_arrivals,
-}
-"""The attributes this part wraps, by dotted path in the connector module."""
+def wrappers(connector_cls: type, fill_arrived: FillArrived) -> dict[str, Any]:
+    """The attributes this part wraps, by dotted path in the connector
+    module; a failed load is reported by request where vLLM takes it so
+    (``get_transfer_results``, 0.32+), else by its blocks."""
+    failures = (
+        ("get_transfer_results", report_failed_loads)
+        if hasattr(connector_cls, "get_transfer_results")
+        else ("get_block_ids_with_load_errors", report_failed_blocks)
+    )
+    return {
+        "DecodeBenchConnector.get_num_new_matched_tokens": answer_async,
+        "DecodeBenchConnector.build_connector_meta": send_transfers,
+        "DecodeBenchConnectorScheduler.request_finished": drop_in_flight,
+        "DecodeBenchConnector.get_finished": functools.partial(
+            report_arrivals, fill_arrived
+        ),
+        f"DecodeBenchConnector.{failures[0]}": failures[1],
+    }

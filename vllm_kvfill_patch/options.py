@@ -28,13 +28,20 @@ How
     to the installer, through the callback it hands :func:`wrappers`: it
     puts the refill in and says so in the status. ``transfer_latency_ms``
     must be a finite number not below 0 and ``transfer_gbps`` one above 0,
-    neither beside ``startup_fill``; where either is set, the scheduler side
-    gets its :class:`~vllm_kvfill_patch.link.Link` and every role reports the
-    link model to the installer, which puts the link part in.
+    neither beside ``startup_fill``, and ``transfer_failure_rate`` a finite
+    number in [0, 1], above 0 only with the link (its draws seeded by vLLM's
+    ``--seed``); where the link is set, the scheduler side gets its
+    :class:`~vllm_kvfill_patch.link.Link`, each worker side its model, and
+    every role reports the link model to the installer, which puts the link
+    part in. A key neither upstream's connector (the keys its module reads)
+    nor this package knows is an error where it is a known option misspelt
+    (difflib's ratio at least 0.8), naming the option meant; otherwise one
+    warning naming it.
 
 Upstream
     No release checks these options; ``refill_preempted``,
-    ``transfer_latency_ms`` and ``transfer_gbps`` are this package's.
+    ``transfer_latency_ms``, ``transfer_gbps`` and ``transfer_failure_rate``
+    are this package's.
 
 Versions
     Every release the patch applies to: this part goes in with the others.
@@ -45,7 +52,12 @@ Remove when
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +65,10 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvfill_patch import switches
+from vllm_kvfill_patch.gating import CONNECTOR_MODULE
 from vllm_kvfill_patch.link import (
     LINK_ATTR,
+    MODEL_ATTR,
     Link,
     LinkModel,
     bytes_per_block,
@@ -69,6 +83,15 @@ REFILL_ATTR = "_kvfill_refill_preempted"
 again (``preemption`` reads it)."""
 LATENCY_OPTION = "transfer_latency_ms"
 BANDWIDTH_OPTION = "transfer_gbps"
+FAILURE_OPTION = "transfer_failure_rate"
+OWN_OPTIONS = (REFILL_OPTION, LATENCY_OPTION, BANDWIDTH_OPTION, FAILURE_OPTION)
+"""The options this package adds to upstream's."""
+UPSTREAM_OPTIONS = ("fill_mean", "fill_std")
+"""Upstream's options in every release, beside those read from its source."""
+NEAR_MISS = 0.8
+"""How alike an unknown key and a known option must be (difflib's ratio)
+for the key to be taken as that option misspelt: ``transfer_latncy_ms`` is
+0.97 from ``transfer_latency_ms``."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +118,7 @@ def wrappers(report: Reporters) -> dict[str, Callable[..., Any]]:
     def check_options(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
         """Wrapper of ``DecodeBenchConnector.__init__``."""
         vllm_config, kv_cache_config = _configs(*args, **kwargs)
-        opted = check(extra_config(vllm_config))
+        opted = check(extra_config(vllm_config), seed_of(vllm_config))
         result = wrapped(*args, **kwargs)
         refill = refill_in_force(opted.refill)
         scheduler = getattr(connector, "connector_scheduler", None)
@@ -110,6 +133,9 @@ def wrappers(report: Reporters) -> dict[str, Callable[..., Any]]:
         if opted.link is not None:
             if scheduler is not None:
                 setattr(scheduler, LINK_ATTR, _link(opted.link, kv_cache_config))
+            worker = getattr(connector, "connector_worker", None)
+            if worker is not None:
+                setattr(worker, MODEL_ATTR, opted.link)
             report.link(opted.link)
         return result
 
@@ -123,10 +149,25 @@ def extra_config(vllm_config: Any) -> dict:
     return options if isinstance(options, dict) else {}
 
 
-def check(options: dict) -> OptIns:
+def seed_of(vllm_config: Any) -> int:
+    """vLLM's own seed (``--seed``; 0 where unset): the failed transfers of
+    two runs with one seed are the same."""
+    seed = getattr(getattr(vllm_config, "model_config", None), "seed", None)
+    return seed if isinstance(seed, int) else 0
+
+
+def check(options: dict, seed: int = 0) -> OptIns:
     """What the options opt into, once every option this package knows is
-    valid; raises ValueError naming the first that is not."""
-    for key in ("fill_mean", "fill_std", LATENCY_OPTION, BANDWIDTH_OPTION):
+    valid; raises ValueError naming the first that is not, or a key that is
+    a known option misspelt. `seed` draws the failed transfers."""
+    check_keys(options)
+    for key in (
+        "fill_mean",
+        "fill_std",
+        LATENCY_OPTION,
+        BANDWIDTH_OPTION,
+        FAILURE_OPTION,
+    ):
         if key in options:
             _require(
                 key, options[key], _is_finite_number(options[key]), "a finite number"
@@ -136,9 +177,18 @@ def check(options: dict) -> OptIns:
             _require(key, options[key], False, "at least 0")
     if BANDWIDTH_OPTION in options and options[BANDWIDTH_OPTION] <= 0:
         _require(BANDWIDTH_OPTION, options[BANDWIDTH_OPTION], False, "above 0")
+    failure_rate = options.get(FAILURE_OPTION, 0.0)
+    _require(FAILURE_OPTION, failure_rate, 0 <= failure_rate <= 1, "within [0, 1]")
     refill = options.get(REFILL_OPTION, False)
     _require(REFILL_OPTION, refill, isinstance(refill, bool), "true or false")
     if LATENCY_OPTION not in options and BANDWIDTH_OPTION not in options:
+        _require(
+            FAILURE_OPTION,
+            failure_rate,
+            failure_rate == 0,
+            f"0 unless {LATENCY_OPTION} or {BANDWIDTH_OPTION} is set (only a "
+            "transfer over the link can fail)",
+        )
         return OptIns(refill)
     _require(
         "startup_fill",
@@ -147,8 +197,48 @@ def check(options: dict) -> OptIns:
         f"false where {LATENCY_OPTION} or {BANDWIDTH_OPTION} is set (a group "
         "filled at startup has no KV to carry)",
     )
-    link = LinkModel(options.get(LATENCY_OPTION, 0.0), options.get(BANDWIDTH_OPTION))
+    link = LinkModel(
+        options.get(LATENCY_OPTION, 0.0),
+        options.get(BANDWIDTH_OPTION),
+        failure_rate,
+        seed,
+    )
     return OptIns(refill, link)
+
+
+def check_keys(options: dict) -> None:
+    """A key neither upstream's connector nor this package knows: an error
+    where it is a known option misspelt, naming the option meant; otherwise
+    one warning naming it (it may be meant for another connector)."""
+    known = known_options()
+    for key in options:
+        if key in known:
+            continue
+        meant = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS)
+        if meant:
+            raise ValueError(
+                f"DecodeBenchConnector: kv_connector_extra_config {key!r} is not "
+                f"an option; did you mean {meant[0]!r}?"
+            )
+        logger.warning_once(
+            "vllm-kvfill-patch: kv_connector_extra_config %r is not an option "
+            "of DecodeBenchConnector (its options: %s): ignored",
+            key,
+            ", ".join(known),
+        )
+
+
+@functools.cache
+def known_options() -> tuple[str, ...]:
+    """Upstream's options (the keys its connector module reads from its
+    extra config, as its source says) and this package's."""
+    module = sys.modules.get(CONNECTOR_MODULE)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):  # no source shipped: the options every release has
+        source = ""
+    read = re.findall(r"""get(?:_from_extra_config)?\(\s*["'](\w+)["']""", source)
+    return tuple(dict.fromkeys((*UPSTREAM_OPTIONS, *sorted(read), *OWN_OPTIONS)))
 
 
 def _link(model: LinkModel, kv_cache_config: Any) -> Link:
@@ -171,7 +261,23 @@ def _link(model: LinkModel, kv_cache_config: Any) -> Link:
             f"async loads of every KV-cache group (0.21 does); this one "
             f"finishes one group's only, and this model has {groups}"
         )
+    if model.failure_rate and groups > 1 and not fails_by_request():
+        raise ValueError(
+            f"DecodeBenchConnector: kv_connector_extra_config {FAILURE_OPTION!r} "
+            "needs a vLLM that takes a failed load by request (0.32 does) for a "
+            f"model of several KV-cache groups; this one takes failed blocks of "
+            f"one group only, and this model has {groups}"
+        )
     return Link(model, bytes_per_block(kv_cache_config))
+
+
+def fails_by_request() -> bool:
+    """Whether vLLM's workers report a failed load by request
+    (``KVConnectorOutput.failed_recving``, 0.32+): the one way it fails a
+    load of a model with several KV-cache groups."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return "failed_recving" in getattr(KVConnectorOutput, "__dataclass_fields__", {})
 
 
 def refill_in_force(refill_option: bool) -> bool:

@@ -110,7 +110,7 @@ from vllm_kvfill_patch.fill import (
     group_pages,
     writes_zeros,
 )
-from vllm_kvfill_patch.link import take_transfers
+from vllm_kvfill_patch.link import padded_state_bytes, take_transfers
 
 logger = init_logger("vllm.kvfill_patch")
 
@@ -551,21 +551,6 @@ def layout_from(cache_config: Any, kv_cache_config: Any, worker: Any) -> CacheLa
             if getattr(spec, "has_layer_views", True) is False
         ),
     )
-
-
-def padded_state_bytes(spec: Any) -> int | None:
-    """The bytes of a Mamba spec's states where its page is padded to a
-    larger size (to the attention page, so that groups share pages), else
-    None."""
-    shapes, dtypes = getattr(spec, "shapes", None), getattr(spec, "dtypes", None)
-    padded = getattr(spec, "page_size_padded", None)
-    if not (shapes and dtypes and isinstance(padded, int)):
-        return None
-    states = sum(
-        math.prod(shape) * dtype.itemsize
-        for shape, dtype in zip(shapes, dtypes, strict=True)
-    )
-    return states if states < padded else None
 
 
 def cache_of(worker: Any, layout: CacheLayout, layer_name: str) -> Any:

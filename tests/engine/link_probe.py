@@ -3,16 +3,22 @@ model, step by step: ``main(options)``, in a fresh process
 (``helpers.run_probe``'s zygote), returns a JSON-able report.
 
 Options: ``connector_options`` (the connector's, the link's among them),
-``scenarios``, run in turn on one engine: ``abort`` (one request aborted
-while its KV is in flight), ``one_at_a_time`` (``requests`` requests, each
-alone, to its end), ``together`` (``requests`` requests added at once).
+``failure_policy`` (vLLM's ``kv_load_failure_policy``; its default
+unset), ``scenarios``, run in turn on one engine: ``abort`` (one request
+aborted while its KV is in flight), ``one_at_a_time`` (``requests``
+requests, each alone, to its end), ``together`` (``requests`` requests added
+at once).
 
 The report: every scheduler step (``steps``: its monotonic time, what it
 scheduled, the requests waiting for their KV), each request's transfer bytes
 (``transfer_bytes``), vLLM's own timestamps per request (``timestamps``:
 queued, scheduled, first token, from ``RequestOutput.metrics``; monotonic,
-the scheduler's clock in one process), and for ``abort`` the KV blocks free
-before, while in flight and after (``free_blocks``).
+the scheduler's clock in one process), how each request finished
+(``finished``), vLLM's metrics at the end (``metrics``: each counter's and
+histogram's value, and its sum, by name and labels) after its periodic log
+line was written, and the KV blocks free after every scenario
+(``free_after``); for ``abort`` the KV blocks free before, while in flight
+and after (``free_blocks``).
 """
 
 from __future__ import annotations
@@ -114,6 +120,8 @@ def main(options: dict) -> dict:
             **tiny_model.DECODE_BENCH_CONNECTOR,
             "kv_connector_extra_config": options["connector_options"],
         }
+        if options.get("failure_policy"):
+            transfer["kv_load_failure_policy"] = options["failure_policy"]
         llm = LLM(
             **tiny_model.engine_arguments(
                 model,
@@ -134,6 +142,8 @@ def main(options: dict) -> dict:
             for group in scheduler.kv_cache_config.kv_cache_groups
         ]
         sampling = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
+        pool = scheduler.kv_cache_manager.block_pool
+        free_at_start = pool.get_num_free_blocks()
         prompts = tiny_model.prompts(PROMPT, options.get("requests", 1))
         outputs: dict = {}
         for scenario in options["scenarios"]:
@@ -146,8 +156,30 @@ def main(options: dict) -> dict:
                     run_to_end(engine, outputs)
             run_to_end(engine, outputs)
         report["timestamps"] = {rid: timestamps(o) for rid, o in outputs.items()}
+        report["finished"] = {
+            rid: o.outputs[0].finish_reason for rid, o in outputs.items()
+        }
+        report["free_after"] = pool.get_num_free_blocks()
+        report["free_at_start"] = free_at_start
+        engine.do_log_stats()
+        report["metrics"] = metric_values(llm.get_metrics())
         report["status"] = vllm_kvfill_patch.status().reason
     return report
+
+
+def metric_values(metrics: list) -> dict[str, float]:
+    """vLLM's metrics by name and labels: a counter's or gauge's value, a
+    histogram's count (and its sum under ``<name>_sum``)."""
+    values: dict[str, float] = {}
+    for metric in metrics:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()))
+        key = f"{metric.name}{{{labels}}}"
+        if hasattr(metric, "count"):
+            values[key] = metric.count
+            values[f"{metric.name}_sum{{{labels}}}"] = metric.sum
+        elif hasattr(metric, "value"):
+            values[key] = metric.value
+    return values
 
 
 def abort_in_flight(engine: Any, scheduler: Any, prompt: dict) -> dict:

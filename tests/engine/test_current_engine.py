@@ -110,7 +110,13 @@ def test_with_the_refill_every_admission_and_resumption_computes_one_token(
     options = {"connector_options": REFILL}
     report, steps = run_under_preemption(tmp_path, {}, async_scheduling, options)
     assert report["returncode"] == 0
-    assert report["workers"][0]["parts"] == ["fill", "fill-once", "options", "refill"]
+    assert report["workers"][0]["parts"] == [
+        "fill",
+        "fill-once",
+        "options",
+        "link-metrics",
+        "refill",
+    ]
     assert report["generated"] == [PREEMPTION["output"]] * PREEMPTION["requests"]
     preemptions = sum(len(step["preempted"]) for step in steps)
     assert preemptions >= 1

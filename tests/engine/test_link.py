@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -28,11 +29,13 @@ from tests.engine.test_current_engine import (
     SHARED_PREFIX,
     run_under_preemption,
 )
+from tests.engine.trace import SITE
 from tests.helpers import ROOT, run_forked
 
 LATENCY_S = 0.2
 PER_REQUEST_S = 0.1
 TOGETHER = 8
+FAILING = 4
 SLACK_S = 0.1
 """How much later than the link says a request alone may be scheduled: the
 engine's poll while idle (~1 ms a step), with room for a loaded machine."""
@@ -64,9 +67,23 @@ def request_bytes() -> int:
 
 
 def probe(options: dict) -> dict:
+    """link_probe's report, with its output under "log"."""
     exitcode, report, stdout, stderr = run_forked(link_probe, (options,), {}, 400)
     assert exitcode == 0 and report is not None, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    report["log"] = stdout + stderr
     return report
+
+
+def metric(report: dict, name: str, **labels: str) -> float:
+    """The one value of vLLM metric `name` whose labels include `labels`."""
+    wanted = [f"{key}={value}" for key, value in labels.items()]
+    found = [
+        value
+        for key, value in report["metrics"].items()
+        if key.startswith(name + "{") and all(label in key for label in wanted)
+    ]
+    assert len(found) == 1, (name, labels, sorted(report["metrics"]))
+    return found[0]
 
 
 def admitted_and_delivered(report: dict) -> dict[str, tuple[float, float]]:
@@ -225,3 +242,88 @@ def test_with_two_tensor_parallel_workers_each_reports_and_every_request_ends():
     assert report["generated"] == [6] * 5, report.get("error_chain")
     assert len(report["workers"]) == 2
     assert all(worker["parts"][-1] == "link" for worker in report["workers"])
+
+
+def test_each_transfer_shows_in_vllms_metrics_and_its_log_line(latency_run):
+    """The three requests that had KV to load, each with the bytes a NIXL
+    node reads for it (the one aborted in flight loaded nothing), and the
+    periodic KV-transfer line that vLLM writes."""
+    assert metric(latency_run, "vllm:emulated_kv_xfer_time_seconds") == 3
+    assert metric(latency_run, "vllm:emulated_kv_bytes_transferred") == 3
+    assert metric(latency_run, "vllm:emulated_kv_bytes_transferred_sum") == (
+        3 * request_bytes()
+    )
+    assert metric(latency_run, "vllm:emulated_kv_num_failed_transfers") == 0
+    waited = metric(latency_run, "vllm:emulated_kv_xfer_time_seconds_sum") / 3
+    assert LATENCY_S <= waited < LATENCY_S + SLACK_S
+    line = re.search(r"KV Transfer metrics: (.*)", latency_run["log"])
+    assert line and "Emulated transfers=3" in line.group(1), latency_run["log"][-3000:]
+    assert "Emulated failed transfers=0" in line.group(1)
+
+
+@pytest.fixture(scope="module")
+def failing_runs() -> dict[str, dict]:
+    """Every transfer failing, under each of vLLM's load-failure policies."""
+    options = {"transfer_latency_ms": 20, "transfer_failure_rate": 1.0}
+    return {
+        policy: probe(
+            {
+                "connector_options": options,
+                "failure_policy": policy,
+                "scenarios": ["together"],
+                "requests": FAILING,
+            }
+        )
+        for policy in ("recompute", "fail")
+    }
+
+
+def test_with_recompute_every_failed_request_is_computed_locally(failing_runs):
+    report = failing_runs["recompute"]
+    assert sorted(report["finished"].values()) == ["length"] * FAILING
+    assert all(stamps["tokens"] == OUTPUT for stamps in report["timestamps"].values())
+    first = {}
+    for step in report["steps"]:
+        for rid, tokens in step["scheduled"].items():
+            first.setdefault(external_id(rid), tokens)
+    assert first == {f"together-{k}": PROMPT for k in range(FAILING)}
+    computed = metric(report, "vllm:prompt_tokens_by_source", source="local_compute")
+    assert computed == FAILING * PROMPT
+    assert metric(report, "vllm:emulated_kv_num_failed_transfers") == FAILING
+    assert report["free_after"] == report["free_at_start"]
+
+
+def test_with_fail_every_failed_request_ends_with_an_error(failing_runs):
+    report = failing_runs["fail"]
+    assert sorted(report["finished"].values()) == ["error"] * FAILING
+    assert not any(stamps["tokens"] for stamps in report["timestamps"].values())
+    assert not any(step["scheduled"] for step in report["steps"])
+    assert metric(report, "vllm:emulated_kv_num_failed_transfers") == FAILING
+    assert report["free_after"] == report["free_at_start"]
+
+
+def test_a_worker_without_the_link_part_stops_the_engine_at_startup():
+    """vLLM's multiprocess executor, its one worker started with the kill
+    switch on (the engine core patched): the engine refuses to start, and
+    says which option, which worker and why, instead of admitting requests
+    that would wait for their KV for ever."""
+    report = run_probe(
+        {
+            "in_process": True,
+            "executor": "mp",
+            "connector_options": {"transfer_latency_ms": 20},
+        },
+        env={
+            "PYTHONPATH": str(SITE),
+            "KVFILL_DISABLE_IN_SPAWNED": "1",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        },
+        may_die=True,
+    )
+    log = report["log"]
+    assert report["returncode"] != 0 and "generated" not in report, log[-3000:]
+    assert re.search(
+        r"vllm-kvfill-patch disabled for vLLM .* KVFILL_PATCH_DISABLE", log
+    )
+    assert "'transfer_latency_ms' / 'transfer_gbps' (the link model)" in log
+    assert "worker (pp 0, tp 0) did not announce it" in log

@@ -216,7 +216,12 @@ def test_ray_over_two_nodes_each_nodes_worker_patched_and_checked(tmp_path):
         (worker,) = trace.pids("fill")
         assert trace.roles() == {"WORKER": 1}
         assert workers[worker]["package_loaded_before_this_call"]
-        assert workers[worker]["parts"] == ["fill", "fill-once", "options"]
+        assert workers[worker]["parts"] == [
+            "fill",
+            "fill-once",
+            "options",
+            "link-metrics",
+        ]
         assert helpers.check_worker_fills(trace, worker) == 5
     assert len(workers) == 2
     # The driver holds the engine core (the scheduler) and decided before
