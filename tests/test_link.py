@@ -608,3 +608,26 @@ def test_the_links_transfers_reach_vllms_metrics(node_for, hybrid):
     assert read("vllm:emulated_kv_bytes_transferred_sum", {"engine": "0"}) == (
         4 * request_bytes
     )
+
+
+def test_revert_with_a_transfer_in_flight_still_reports_it(node_for):
+    """revert() in the process of a worker holding a transfer: the link's
+    reports stay until it is reported (the status says so), the request is
+    scheduled as before, and a later revert() takes them out too."""
+    import vllm_kvfill_patch
+
+    node = node_for(transfer_latency_ms=200)
+    request = node.add("r")
+    node.step()
+    reverted = vllm_kvfill_patch.revert()
+    assert reverted.decision.value == "reverted"
+    assert "the link's reports stay until the 2 transfers in flight" in reverted.reason
+    node.step(advance_ms=200)
+    assert node.reports[-1] == [{"r"}, {"r"}]
+    assert dict(node.step().num_scheduled_tokens) == {"r": 1}
+    assert request.num_computed_tokens == PROMPT_LEN
+    connector = type(node.ranks[0])
+    assert "get_finished" in connector.__dict__  # in place, passing calls through
+    assert "transfers in flight" not in vllm_kvfill_patch.revert().reason
+    assert "get_finished" not in connector.__dict__
+    assert vllm_kvfill_patch.apply().parts[-1] == "link"

@@ -123,6 +123,10 @@ class _Installer:
     """Upstream loads synchronously here: the link model can be opted into."""
     link_model: LinkModel | None = None
     """The link model a connector's options asked for, once one did."""
+    draining: frozenset[str] = frozenset()
+    """The link's worker-side reports revert() left in place, for transfers
+    this process's workers had not reported yet: they report them, then
+    pass calls through."""
     status: PatchStatus = PatchStatus(
         None, Decision.PENDING, "the connector module is not imported yet"
     )
@@ -145,7 +149,7 @@ def apply() -> PatchStatus:
                 leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
                 _decide(Decision.DISABLED, _DISABLED_REASON + leftover)
             else:
-                _installer.wanted = True
+                _installer.wanted, _installer.draining = True, frozenset()
                 module = sys.modules.get(CONNECTOR_MODULE)
                 _forget_replaced_wrappers(module)
                 applied = _installer.applied
@@ -172,7 +176,8 @@ def revert() -> PatchStatus:
             leftover = _uninstall(sys.modules.get(CONNECTOR_MODULE))
         except Exception as exc:  # noqa: BLE001 - revert() never raises
             leftover = f"; removing failed ({type(exc).__name__}: {exc})"
-        if _installer.status.decision in (Decision.APPLIED, Decision.PENDING):
+        reverted = (Decision.APPLIED, Decision.PENDING, Decision.REVERTED)
+        if _installer.status.decision in reverted:
             _decide(Decision.REVERTED, "reverted by revert()" + leftover)
         return _installer.status
 
@@ -458,7 +463,11 @@ def _while_ours(path: str, wrapper: Wrapper) -> Wrapper:
 
     def gate(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         handle = _installer.handles.get(path)
-        if _installer.wanted and handle is not None and handle._self_wrapper is gate:
+        if (
+            handle is not None
+            and handle._self_wrapper is gate
+            and (_installer.wanted or (path in _installer.draining and _unreported()))
+        ):
             return wrapper(wrapped, instance, args, kwargs)
         return wrapped(*args, **kwargs)
 
@@ -466,9 +475,18 @@ def _while_ours(path: str, wrapper: Wrapper) -> Wrapper:
 
 
 def _uninstall(module: ModuleType | None) -> str:
-    """Remove our wrappers; '' when all went, else why some stayed (inactive)."""
+    """Remove our wrappers; '' when all went, else why some stayed (inactive,
+    or reporting the link's transfers still in flight here)."""
     stuck = []
+    unreported = _unreported()
+    _installer.draining = frozenset(
+        path
+        for path in _installer.handles
+        if unreported and path.rpartition(".")[2] in _link_reports()
+    )
     for path, handle in list(_installer.handles.items()):
+        if path in _installer.draining:
+            continue
         try:
             wrapt.unwrap_object(module, path, handle, missing_ok=True)
         except wrapt.WrapperNotOutermostError:
@@ -477,13 +495,31 @@ def _uninstall(module: ModuleType | None) -> str:
             stuck.append(path)
         else:
             del _installer.handles[path]
+    said = (
+        f"; the link's reports stay until the {unreported} transfers in flight "
+        "here are reported, then pass calls through"
+        if _installer.draining
+        else ""
+    )
     if not stuck:
-        return ""
+        return said
     return (
-        "; another library's plain wrapper sits above ours on "
+        f"{said}; another library's plain wrapper sits above ours on "
         + ", ".join(stuck)
         + ": ours stays in place and passes every call through"
     )
+
+
+def _unreported() -> int:
+    """The link's transfers this process's workers took and have not
+    reported (0 where the link part never loaded)."""
+    link = sys.modules.get("vllm_kvfill_patch.link")
+    return link.unreported() if link is not None else 0
+
+
+def _link_reports() -> frozenset[str]:
+    link = sys.modules.get("vllm_kvfill_patch.link")
+    return link.WORKER_REPORTS if link is not None else frozenset()
 
 
 def _forget_replaced_wrappers(module: ModuleType | None) -> None:

@@ -70,6 +70,7 @@ import functools
 import math
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -313,7 +314,7 @@ class Reported:
     failed: bool
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: kept in a WeakSet
 class Arrivals:
     """A worker's transfers: in flight, arrived and not reported yet (with
     the event their fill recorded; None: done), and what it reported since
@@ -392,7 +393,30 @@ def arrivals_of(worker: Any) -> Arrivals:
     if arrivals is None:
         arrivals = Arrivals()
         setattr(worker, ARRIVALS_ATTR, arrivals)
+        _arrivals.add(arrivals)
     return arrivals
+
+
+_arrivals: weakref.WeakSet[Arrivals] = weakref.WeakSet()
+"""Every worker's arrivals in this process, while the worker lives."""
+WORKER_REPORTS = frozenset(
+    (
+        "get_finished",
+        "get_transfer_results",
+        "get_block_ids_with_load_errors",
+        "get_kv_connector_stats",
+    )
+)
+"""The worker's methods the link reports through: kept by ``revert()``
+while :func:`unreported` is not 0, so that no transfer is stranded."""
+
+
+def unreported() -> int:
+    """The transfers this process's workers took and have not reported."""
+    return sum(
+        len(arrivals.in_flight) + sum(len(held) for held, _ in arrivals.unreported)
+        for arrivals in list(_arrivals)
+    )
 
 
 def take_transfers(worker: Any, metadata: Any) -> None:
