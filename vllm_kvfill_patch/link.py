@@ -7,9 +7,13 @@ Target
     ``DecodeBenchConnector.build_connector_meta`` (:func:`send_transfers`),
     ``DecodeBenchConnectorScheduler.request_finished`` (:func:`drop_in_flight`)
     on the scheduler side; ``DecodeBenchConnector.get_finished``
-    (:func:`report_arrivals`, inherited from vLLM's base connector) on each
-    worker, which takes the step's transfers in ``worker_step.load_step``.
-    The fill itself stays ``worker_step``'s (``fill_arrived``).
+    (:func:`report_arrivals`) and ``get_transfer_results``
+    (:func:`report_failed_loads`, 0.32+) or ``get_block_ids_with_load_errors``
+    (:func:`report_failed_blocks`), inherited from vLLM's base connector, on
+    each worker, which takes the step's transfers in ``worker_step.load_step``.
+    The fill itself stays ``worker_step``'s (``fill_arrived``, handed over at
+    install time); the handshake and the metrics are ``link_handshake``'s and
+    ``link_stats``'s.
 
 Why
     A real decode node (NixlConnector) answers ``(n, True)``: the request
@@ -41,7 +45,11 @@ How
     a stream of its own and is reported once its event is done, never waited
     for on the host. A request aborted in flight is not filled: the next
     step's metadata drops it, and the workers report it, so that vLLM frees
-    its blocks.
+    its blocks. With ``transfer_failure_rate``, the scheduler side draws each
+    transfer's failure (seeded by vLLM's ``--seed``) and tells every worker:
+    a failed transfer is not filled, and is reported finished and failed in
+    one step, so that vLLM's ``kv_load_failure_policy`` recomputes or fails
+    its request, as after a failed NIXL read.
 
 Upstream
     The protocol: #17751 (``WAITING_FOR_REMOTE_KVS``, ``finished_recving``),
