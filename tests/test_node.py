@@ -32,7 +32,11 @@ from vllm_kvfill_patch.fidelity.node_report import (
 )
 from vllm_kvfill_patch.fidelity.report import Key, rows
 from vllm_kvfill_patch.fidelity.serve import Server
-from vllm_kvfill_patch.fidelity.transfers import histogram_quantile, read_transfers
+from vllm_kvfill_patch.fidelity.transfers import (
+    Source,
+    histogram_quantile,
+    read_transfers,
+)
 
 LABELS = 'engine="0",model_name="/m"'
 PAGE = f"""# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration.
@@ -59,6 +63,20 @@ def test_the_transfers_are_read_from_vllms_metrics():
     assert received.problem(8) is None
     assert "472,576 a request" in received.said()
     assert "p50 10.0 ms" in received.said()
+
+
+def test_the_emulated_links_transfers_are_read_beside_nixls():
+    """One page with both: each source's figures from its own names, and
+    said as what they are."""
+    emulated = PAGE.replace("vllm:nixl_", "vllm:emulated_kv_").replace(
+        " 8.0\n", " 4.0\n"
+    )
+    both = read_transfers(PAGE + emulated, Source.EMULATED)
+    assert (both.count, both.bytes, both.failed) == (4, 3780608, 0)
+    assert read_transfers(PAGE + emulated).count == 8
+    assert "bytes over the emulated link in 4 transfers" in both.said()
+    assert "(vLLM's emulated link's histogram)" in both.said()
+    assert both.minus(both).source is Source.EMULATED
 
 
 def test_a_quantile_is_linear_within_its_bucket():

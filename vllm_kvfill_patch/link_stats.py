@@ -30,7 +30,8 @@ How
     ``vllm:emulated_kv_bytes_transferred`` (histograms: ``_count`` is the
     transfers, ``_sum`` their bytes) and
     ``vllm:emulated_kv_num_failed_transfers``. Stats that are not the
-    link's, and servers without the link options, get upstream's answers.
+    link's get upstream's answers; a server without the link shows the
+    link's metrics at 0.
 
 Upstream
     The stats API: ``KVConnectorStats``, ``KVConnectorPromMetrics``
@@ -56,7 +57,6 @@ BYTES = "emulated_link_bytes"
 """Per transfer reported: the bytes it carried on its rank."""
 FAILED = "emulated_link_failed"
 """Per failed transfer reported: 1."""
-LINK_OPTIONS = ("transfer_latency_ms", "transfer_gbps")
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BYTE_BUCKETS = tuple(2 ** (11 + 2 * i) for i in range(12))
@@ -133,17 +133,11 @@ def build_stats(wrapped: Any, connector_cls: Any, args: tuple, kwargs: dict) -> 
 
 def build_prom(wrapped: Any, connector_cls: Any, args: tuple, kwargs: dict) -> Any:
     """Wrapper of ``DecodeBenchConnector.build_prom_metrics``: the link's
-    metrics where the server's connector options set the link."""
+    metrics, on every server of the connector (at 0 where no link carried
+    anything: the link can be switched on at run time, as the fidelity tool
+    does), where upstream registers none."""
     metrics = wrapped(*args, **kwargs)
-    vllm_config = _config_argument(*args, **kwargs)
-    options = getattr(
-        getattr(vllm_config, "kv_transfer_config", None),
-        "kv_connector_extra_config",
-        {},
-    )
-    if metrics is not None or not any(key in (options or {}) for key in LINK_OPTIONS):
-        return metrics
-    return LinkPromMetrics(*args, **kwargs)
+    return metrics if metrics is not None else LinkPromMetrics(*args, **kwargs)
 
 
 class LinkPromMetrics:
@@ -205,10 +199,6 @@ class LinkPromMetrics:
 
 def _data_argument(data: Any = None, *args: Any, **kwargs: Any) -> Any:
     return data
-
-
-def _config_argument(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-    return vllm_config
 
 
 WORKER_WRAPPERS = {"DecodeBenchConnector.get_kv_connector_stats": collect}

@@ -93,6 +93,19 @@ def test_the_linked_modes_requests_each_waited_the_links_latency(run):
     assert sorted(unlinked)[len(unlinked) // 2] < LINK_MS / 1000
 
 
+def test_the_linked_modes_transfers_were_read_from_vllms_metrics(run):
+    """The connector server's ``/metrics`` around each leg, as the real
+    node's NIXL metrics are read: every request of a linked mode's legs
+    crossed the emulated link once (a preempted one is recomputed), each
+    with the same bytes, none failed; the other modes carried nothing."""
+    linked = [mode for mode in DEFAULT_MODES if mode.linked]
+    carried = run["summary"]["servers"]["connector"]["link_carried"]
+    assert carried["transfers"] == len(linked) * PROMPTS
+    assert carried["failed"] == 0
+    assert carried["bytes"] > 0 and carried["bytes"] % carried["transfers"] == 0
+    assert run["summary"]["servers"]["prefill"]["link_carried"] is None
+
+
 def leg_results(run: dict, mode: str) -> list[dict]:
     results = run["output"] / "results"
     return [

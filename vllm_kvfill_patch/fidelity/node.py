@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,13 @@ from vllm_kvfill_patch.fidelity.cores import (
     _threads,
     real_time_permitted,
 )
-from vllm_kvfill_patch.fidelity.serve import NOT_UP, Phase, Proxy, Server
+from vllm_kvfill_patch.fidelity.serve import (
+    NOT_UP,
+    Phase,
+    Proxy,
+    Server,
+    metrics_page,
+)
 from vllm_kvfill_patch.fidelity.transfers import Transfers, read_transfers
 from vllm_kvfill_patch.fidelity.wire import NIXL_REST_ENV, NIXL_THREADS
 
@@ -78,11 +83,6 @@ def nixl_threads(probe_dir: Path, pid: int) -> set[int]:
     (`nixl_rest`; none where the tool did not rest them)."""
     found = probe_dir / f"{pid}{NIXL_THREADS}"
     return set(map(int, found.read_text().split())) if found.exists() else set()
-
-
-def metrics_page(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as page:
-        return page.read().decode()
 
 
 def named_processes(leader: int, prefix: str) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.cores import Placement, put_first
-from vllm_kvfill_patch.fidelity.transfers import Transfers
+from vllm_kvfill_patch.fidelity.transfers import Source, Transfers, read_transfers
 from vllm_kvfill_patch.fidelity.wire import (
     ANSWERS,
     COUNTS,
@@ -52,6 +53,12 @@ def vllm_command() -> str:
 
 
 _HANDED_OUT: set[int] = set()
+
+
+def metrics_page(base_url: str) -> str:
+    """The server's Prometheus page of vLLM's metrics."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as page:
+        return page.read().decode()
 
 
 def free_port() -> int:
@@ -163,6 +170,10 @@ class Server:
     """Whether the tool's proxy stands in front of it: vLLM's client reaches
     every mode through one, so that its hop is in every leg."""
     proxy: Proxy | None = None
+    carried: dict[int, list[Transfers]] = field(default_factory=dict)
+    """What each linked leg's requests received over the package's emulated
+    link, by concurrency, as vLLM's metrics count it."""
+    carried_before: Transfers | None = None
 
     @property
     def log(self) -> Path:
@@ -193,7 +204,11 @@ class Server:
 
     def leg_begins(self) -> None:
         """What `check` counts from, taken as the leg begins (after its
-        warm-up): nothing here (`node.DecodeNode` reads its transfers)."""
+        warm-up): the emulated link's transfers (`node.DecodeNode` reads
+        NIXL's)."""
+        self.carried_before = read_transfers(
+            metrics_page(self.base_url), Source.EMULATED
+        )
 
     def started(self) -> list[str]:
         """The `vllm serve` processes it started, by name."""
@@ -215,8 +230,20 @@ class Server:
 
     def check(self, requests: int, concurrency: int) -> None:
         """Raises where a leg of `requests` requests at `concurrency` was not
-        served as the mode says: nothing to check here (`node.DecodeNode` checks its KV
-        arrived through NIXL)."""
+        served as the mode says: nothing to check here (`node.DecodeNode`
+        checks its KV arrived through NIXL); a leg's transfers over the
+        emulated link are kept."""
+        if self.carried_before is None:
+            return
+        page = metrics_page(self.base_url)
+        carried = read_transfers(page, Source.EMULATED).minus(self.carried_before)
+        if carried.count:
+            self.carried.setdefault(concurrency, []).append(carried)
+
+    def link_carried(self) -> Transfers | None:
+        """What its linked legs' requests received over the emulated link."""
+        legs = [leg for legs in self.carried.values() for leg in legs]
+        return functools.reduce(Transfers.plus, legs) if legs else None
 
     def start(self) -> None:
         self.probe_dir.mkdir(parents=True, exist_ok=True)
@@ -373,8 +400,7 @@ class Server:
 
     def metric(self, name: str) -> float:
         """A Prometheus counter, summed over its labels."""
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as page:
-            text = page.read().decode()
+        text = metrics_page(self.base_url)
         pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
         return sum(float(value) for value in pattern.findall(text))
 

@@ -89,6 +89,8 @@ def node_said(found: list[Row], servers: list[Server]) -> None:
                     print(
                         f"  at C={concurrency}: {at.count:.0f} transfers, {at.timing()}"
                     )
+        if (carried := server.link_carried()) is not None:
+            print(f"{server.name}, its linked modes: {carried.said()}")
         if (paused := server.prefill_paused()) is not None:
             print(f"{server.name}: {paused}")
     print("\n".join(ttft_lines(found, p50 and p50 * 1000)))
@@ -108,6 +110,11 @@ def summary(cells: dict[Key, Cell], servers: list[Server]) -> dict:
                 "kernels": server.kernels(),
                 "processes": server.processes(),
                 "switches": server.switches,
+                "link_carried": (carried := server.link_carried()) and {
+                    "transfers": carried.count,
+                    "bytes": carried.bytes,
+                    "failed": carried.failed,
+                },
                 "placement": server.placement and {
                     "worker_cores": sorted(server.placement.worker_cores),
                     "front_cores": sorted(server.placement.front_cores),

@@ -49,7 +49,13 @@ def to(setting: Setting) -> None:
     global _writes
     import vllm_kvfill_patch
     from vllm_kvfill_patch import installer
-    from vllm_kvfill_patch.link import LINK_ATTR, Link, LinkModel, bytes_per_block
+    from vllm_kvfill_patch.link import (
+        LINK_ATTR,
+        MODEL_ATTR,
+        Link,
+        LinkModel,
+        bytes_per_block,
+    )
     from vllm_kvfill_patch.options import REFILL_ATTR
 
     model = LinkModel(*setting.link) if setting.link and setting.package else None
@@ -65,6 +71,9 @@ def to(setting: Setting) -> None:
             setattr(scheduler, REFILL_ATTR, setting.refill)
             link = model and Link(model, bytes_per_block(connector._kv_cache_config))
             setattr(scheduler, LINK_ATTR, link)
+        for connector in _connectors:  # a worker reports its transfers' stats
+            if (worker := getattr(connector, "connector_worker", None)) is not None:
+                setattr(worker, MODEL_ATTR, model)
         if setting.refill and setting.package and _scheduler_sides():
             installer.refill_opted_in(REFILL_SOURCE)
         if model is not None and _connectors:

@@ -1,17 +1,36 @@
-"""What a decode server's vLLM metrics say it received through NIXL: bytes,
-transfers, failures, the transfer-time histogram, and where its prompt
-tokens came from (from prefill, or computed locally)."""
+"""What a decode server's vLLM metrics say it received, through NIXL or over
+the package's emulated link: bytes, transfers, failures, the transfer-time
+histogram, and where its prompt tokens came from (from prefill, or computed
+locally)."""
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from dataclasses import dataclass
 
 
+class Source(enum.Enum):
+    """Whose transfers vLLM's metrics count, by their names' prefix: the
+    same three metrics under each."""
+
+    NIXL = "vllm:nixl_"
+    EMULATED = "vllm:emulated_kv_"
+    """The package's link model (``link_stats``)."""
+
+    @property
+    def way(self) -> str:
+        return "through NIXL" if self is Source.NIXL else "over the emulated link"
+
+    @property
+    def histogram(self) -> str:
+        return "NIXL histogram" if self is Source.NIXL else "emulated link's histogram"
+
+
 @dataclass(frozen=True)
 class Transfers:
-    """What the decode server's NIXL metrics say it received."""
+    """What the decode server's metrics say it received."""
 
     count: float
     bytes: float
@@ -24,6 +43,7 @@ class Transfers:
     """The transfer-time histogram: (upper bound, cumulative count)."""
     total_seconds: float = 0.0
     """The transfer times added up (the histogram's sum)."""
+    source: Source = Source.NIXL
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile of the transfer time in seconds, linear within its
@@ -60,6 +80,7 @@ class Transfers:
                 for bound, count in self.seconds
             ),
             self.total_seconds + sign * other.total_seconds,
+            self.source,
         )
 
     def timing(self) -> str:
@@ -73,10 +94,10 @@ class Transfers:
         """The transfers in words: bytes, count, failures, time per transfer."""
         timing = self.timing()
         return (
-            f"received {self.bytes:,.0f} bytes through NIXL in {self.count:.0f} "
-            f"transfers ({self.bytes_each():,.0f} a request), "
+            f"received {self.bytes:,.0f} bytes {self.source.way} in "
+            f"{self.count:.0f} transfers ({self.bytes_each():,.0f} a request), "
             f"{self.failed:.0f} failed; "
-            f"{timing} (vLLM's NIXL histogram); prompt tokens from prefill "
+            f"{timing} (vLLM's {self.source.histogram}); prompt tokens from prefill "
             f"{self.external_tokens:,.0f}, computed here {self.local_tokens:,.0f}"
         )
 
@@ -114,8 +135,8 @@ def histogram_quantile(
     return lower
 
 
-def read_transfers(metrics: str) -> Transfers:
-    """`Transfers` from a Prometheus page of vLLM's metrics."""
+def read_transfers(metrics: str, source: Source = Source.NIXL) -> Transfers:
+    """`Transfers` of `source` from a Prometheus page of vLLM's metrics."""
 
     def total(name: str, label: str = "") -> float:
         pattern = rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$"
@@ -126,15 +147,16 @@ def read_transfers(metrics: str) -> Transfers:
         )
 
     buckets: dict[float, float] = {}
+    prefix = re.escape(source.value)
     for labels, value in re.findall(
-        r"^vllm:nixl_xfer_time_seconds_bucket{([^}]*)} (\S+)$", metrics, re.MULTILINE
+        rf"^{prefix}xfer_time_seconds_bucket{{([^}}]*)}} (\S+)$", metrics, re.MULTILINE
     ):
         bound = float(re.search(r'le="([^"]+)"', labels)[1])  # type: ignore[index]
         buckets[bound] = buckets.get(bound, 0.0) + float(value)
     return Transfers(
-        count=total("vllm:nixl_xfer_time_seconds_count"),
-        bytes=total("vllm:nixl_bytes_transferred_sum"),
-        failed=total("vllm:nixl_num_failed_transfers_total"),
+        count=total(f"{source.value}xfer_time_seconds_count"),
+        bytes=total(f"{source.value}bytes_transferred_sum"),
+        failed=total(f"{source.value}num_failed_transfers_total"),
         external_tokens=total(
             "vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"'
         ),
@@ -142,5 +164,6 @@ def read_transfers(metrics: str) -> Transfers:
             "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
         ),
         seconds=tuple(sorted(buckets.items())),
-        total_seconds=total("vllm:nixl_xfer_time_seconds_sum"),
+        total_seconds=total(f"{source.value}xfer_time_seconds_sum"),
+        source=source,
     )
