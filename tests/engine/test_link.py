@@ -327,3 +327,20 @@ def test_a_worker_without_the_link_part_stops_the_engine_at_startup():
     )
     assert "'transfer_latency_ms' / 'transfer_gbps' (the link model)" in log
     assert "worker (pp 0, tp 0) did not announce it" in log
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"transfer_latncy_ms": 200}, "did you mean 'transfer_latency_ms'?"),
+        (
+            {"transfer_latency_ms": 20, "transfer_failure_rate": 1.5},
+            "'transfer_failure_rate' must be within [0, 1], got 1.5",
+        ),
+    ],
+    ids=["misspelt", "out of range"],
+)
+def test_a_bad_link_option_stops_the_engine_naming_it(options, said):
+    report = run_probe({"in_process": True, "connector_options": options}, may_die=True)
+    assert report["returncode"] != 0 and "generated" not in report
+    assert said in report["log"], report["log"][-3000:]
