@@ -129,12 +129,15 @@ def test_a_setting_crosses_the_control_channel_and_each_process_is_checked():
     assert mismatch(ideal, {"skipped": "no connector in this process"}) is None
     linked = dataclasses.replace(PACKAGE.setting, link=(50.0, None))
     state = {"decision": "applied", "writes": True, "refill": [False]}
-    assert mismatch(linked, state | {"link": [[50.0, None]]}) is None
+    assert mismatch(linked, state | {"link": [[50.0, None, "fifo"]]}) is None
     assert mismatch(linked, state | {"link": [None]}) == (
-        "link [None], not [50.0, None]"
+        "link [None], not [50.0, None, 'fifo']"
     )
-    assert mismatch(PACKAGE.setting, state | {"link": [[50.0, None]]}) == (
-        "link [[50.0, None]], not None"
+    assert mismatch(linked, state | {"link": [[50.0, None, "fair"]]}) == (
+        "link [[50.0, None, 'fair']], not [50.0, None, 'fifo']"
+    )
+    assert mismatch(PACKAGE.setting, state | {"link": [[50.0, None, "fifo"]]}) == (
+        "link [[50.0, None, 'fifo']], not None"
     )
 
 

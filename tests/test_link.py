@@ -310,6 +310,45 @@ def test_transfers_share_one_link_first_come_first_served(node_for, hybrid):
     assert arrivals == {"a": 125, "b": 250, "c": 375}
 
 
+def arrival_ticks(node: Node, ticks: int, added: dict[int, str]) -> dict[str, int]:
+    """Steps 5 ms apart: the request of `added` added at its tick; when each
+    rank 0 reported received, in ms."""
+    arrivals = {}
+    for tick in range(1, ticks):
+        if tick * 5 in added:
+            node.add(added[tick * 5])
+        node.step(advance_ms=5)
+        for request_id in node.reports[-1][0]:
+            arrivals[request_id] = tick * 5
+    return arrivals
+
+
+def test_fairly_shared_transfers_admitted_together_arrive_together(node_for, hybrid):
+    """Eight requests, each 125 ms on the link alone, share it: all arrive
+    at 8 x 125 ms, where first come first served would space them."""
+    request_bytes = 3 * PAGE_BYTES + (STATE_BYTES if hybrid else 0)
+    gbps = request_bytes * 8 / 0.125 / 1e9
+    node = node_for(transfer_gbps=gbps, transfer_sharing="fair")
+    assert "shared fairly among the transfers on it" in str(node.link.model)
+    for request_id in "abcdefgh":
+        node.add(request_id)
+    node.step()
+    assert arrival_ticks(node, 250, {}) == dict.fromkeys("abcdefgh", 1000)
+
+
+def test_a_fairly_shared_transfer_is_slowed_by_one_that_joins_it(node_for, hybrid):
+    """a alone takes 250 ms; b joins at 125 ms, when a is half done: both
+    then move at half the rate, a arrives at 375 ms (its workers told the new
+    time in the step that admitted b), and b, alone again, at 500 ms."""
+    request_bytes = 3 * PAGE_BYTES + (STATE_BYTES if hybrid else 0)
+    node = node_for(
+        transfer_gbps=request_bytes * 8 / 0.25 / 1e9, transfer_sharing="fair"
+    )
+    node.add("a")
+    node.step()
+    assert arrival_ticks(node, 150, {125: "b"}) == {"a": 375, "b": 500}
+
+
 def test_a_request_aborted_in_flight_is_reported_and_its_blocks_freed(node_for):
     from vllm.v1.request import RequestStatus
 
@@ -375,6 +414,10 @@ BAD_LINK_OPTIONS = {
     "infinite latency": ({"transfer_latency_ms": float("inf")}, "a finite number"),
     "zero bandwidth": ({"transfer_gbps": 0}, "must be above 0"),
     "nan bandwidth": ({"transfer_gbps": float("nan")}, "must be a finite number"),
+    "unknown sharing": (
+        {"transfer_gbps": 1, "transfer_sharing": "fastest"},
+        "'transfer_sharing' must be 'fifo' or 'fair', got 'fastest'",
+    ),
     "beside a startup fill": (
         {"transfer_gbps": 100, "startup_fill": True},
         "'startup_fill' must be false where transfer_latency_ms",

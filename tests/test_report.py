@@ -291,9 +291,12 @@ def test_the_link_mode_crosses_the_link_given_or_fitted_to_the_node():
     linked, ideal = [m for m in given.main.modes if m.linked]
     assert linked.setting.link == ideal.setting.link == (50.0, 0.25)
     assert (linked.reference, ideal.setting.writes) == ("ideal+link", False)
-    assert linked.setting.encoded() == "package=1,writes=1,refill=0,link=50.0:0.25"
+    assert linked.setting.encoded() == "package=1,writes=1,refill=0,link=50.0:0.25:fifo"
     assert Setting.decoded(linked.setting.encoded()) == linked.setting
-    assert Setting.decoded("package=1,writes=1,refill=0,link=7.5:").link == (7.5, None)
+    word = "package=1,writes=1,refill=0,link=7.5::fair"
+    assert Setting.decoded(word).link == (7.5, None)
+    shared = Plan.of(parse(["--link", "50,0.25", "--link-sharing", "fair"]))
+    assert {m.setting.sharing for m in shared.main.modes if m.linked} == {"fair"}
     unlinked = [m for m in given.main.modes if not m.linked and m.setting]
     assert all(m.setting.link is None for m in unlinked)
     with pytest.raises(SystemExit):  # no node to fit it to, none given

@@ -80,9 +80,11 @@ import random
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
+
+from vllm_kvfill_patch.link_sharing import Queue, Sharing, queue_for
 
 LINK_ATTR = "_kvfill_link"
 """On the connector's scheduler side: its :class:`Link` (absent: no link model)."""
@@ -94,6 +96,9 @@ TRANSFERS_ATTR = "_kvfill_transfers"
 id: the fill, and the seconds until it arrives."""
 DROPPED_ATTR = "_kvfill_dropped"
 """On a step's connector metadata: the ids of transfers aborted in flight."""
+RETIMED_ATTR = "_kvfill_retimed"
+"""On a step's connector metadata: transfers in flight whose finish moved
+(fair sharing), by id: the seconds until they arrive now."""
 ARRIVALS_ATTR = "_kvfill_arrivals"
 """On a worker: its transfers in flight and its fills not reported yet
 (:class:`Arrivals`)."""
@@ -115,10 +120,10 @@ class LinkModel:
     """Gigabits per second, per rank; None: no bandwidth limit."""
     failure_rate: float = 0.0
     seed: int = 0
+    sharing: Sharing = Sharing.FIFO
 
-    def seconds_for(self, nbytes: int) -> float:
-        """The time `nbytes` take on the link, latency aside."""
-        return 0.0 if self.gbps is None else nbytes * 8 / (self.gbps * 1e9)
+    def bytes_per_second(self) -> float | None:
+        return None if self.gbps is None else self.gbps * 1e9 / 8
 
     def __str__(self) -> str:
         if self.gbps is None:
@@ -126,7 +131,7 @@ class LinkModel:
         else:
             said = (
                 f"latency {self.latency_ms:g} ms, {self.gbps:g} Gb/s per rank, "
-                "first come first served"
+                f"{self.sharing}"
             )
         if self.failure_rate:
             said += f", {self.failure_rate:g} of transfers failing (seed {self.seed})"
@@ -155,8 +160,11 @@ class Link:
     bytes_per_block: tuple[int, ...]
     """Per KV-cache group: one block's bytes on one rank, every layer of it."""
     clock: Callable[[], float] = time.monotonic
-    free_at: float = -math.inf
-    """When the link is done with the transfers admitted so far."""
+    queue: Queue = field(init=False)
+    """When each transfer finishes (``link_sharing``)."""
+    retimed: dict[str, float] = field(default_factory=dict)
+    """Transfers in flight whose finish moved (fair sharing), by id: when
+    they finish now, for the workers."""
     in_flight: set[str] = field(default_factory=set)
     """Started, and not scheduled yet (the workers may still hold them)."""
     dropped: list[str] = field(default_factory=list)
@@ -166,22 +174,37 @@ class Link:
 
     def __post_init__(self) -> None:
         self.draws = random.Random(self.model.seed)
+        self.queue = queue_for(self.model.sharing, self.model.bytes_per_second())
 
     def admit(self, fills: Mapping[str, Fill]) -> dict[str, Transfer]:
-        """Start a transfer for each fill, in order, on the one link."""
+        """Start a transfer for each fill, in order, on the one link; the
+        finish of those in flight that moved is kept for :meth:`take_retimed`."""
         now = self.clock()
+        joins_at = now + self.model.latency_ms / 1e3
+        nbytes = {rid: self.bytes_of(fill[0]) for rid, fill in fills.items()}
+        finish = self.queue.start([(rid, joins_at, nbytes[rid]) for rid in fills])
         started = {}
         for request_id, fill in fills.items():
-            nbytes = self.bytes_of(fill[0])
-            start = max(now + self.model.latency_ms / 1e3, self.free_at)
-            self.free_at = start + self.model.seconds_for(nbytes)
             failed = (
                 self.model.failure_rate > 0
                 and self.draws.random() < self.model.failure_rate
             )
-            started[request_id] = Transfer(fill, self.free_at - now, nbytes, failed)
+            seconds = finish[request_id] - now
+            started[request_id] = Transfer(fill, seconds, nbytes[request_id], failed)
             self.in_flight.add(request_id)
+        earlier = self.in_flight.difference(fills)
+        self.retimed.update((rid, at) for rid, at in finish.items() if rid in earlier)
         return started
+
+    def take_retimed(self) -> dict[str, float]:
+        """The transfers in flight whose finish moved since the last call: the
+        seconds from now until they finish."""
+        now = self.clock()
+        retimed = {
+            rid: at - now for rid, at in self.retimed.items() if rid in self.in_flight
+        }
+        self.retimed = {}
+        return retimed
 
     def bytes_of(self, block_ids_per_group: tuple[list[int], ...]) -> int:
         # Not strict: a latency alone has no bytes per block (an old vLLM).
@@ -291,6 +314,7 @@ def send_transfers(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> A
     metadata = wrapped(*args, **kwargs)
     setattr(metadata, TRANSFERS_ATTR, transfers)
     setattr(metadata, DROPPED_ATTR, link.take_dropped())
+    setattr(metadata, RETIMED_ATTR, link.take_retimed())
     return metadata
 
 
@@ -350,6 +374,9 @@ class Arrivals:
         transfers: dict[str, Transfer] = getattr(metadata, TRANSFERS_ATTR, {})
         for request_id, transfer in transfers.items():
             self.in_flight[request_id] = InFlight(transfer, now, now + transfer.seconds)
+        for request_id, seconds in getattr(metadata, RETIMED_ATTR, {}).items():
+            if (held := self.in_flight.get(request_id)) is not None:
+                self.in_flight[request_id] = replace(held, arrives_at=now + seconds)
         for request_id in getattr(metadata, DROPPED_ATTR, ()):
             if self.in_flight.pop(request_id, None) is not None:
                 self.unreported.append(({request_id: None}, None))

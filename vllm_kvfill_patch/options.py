@@ -30,7 +30,8 @@ How
     must be a finite number not below 0 and ``transfer_gbps`` one above 0,
     neither beside ``startup_fill``, and ``transfer_failure_rate`` a finite
     number in [0, 1], above 0 only with the link (its draws seeded by vLLM's
-    ``--seed``); where the link is set, the scheduler side gets its
+    ``--seed``), ``transfer_sharing`` ``"fifo"`` or ``"fair"``
+    (``link_sharing``); where the link is set, the scheduler side gets its
     :class:`~vllm_kvfill_patch.link.Link`, each worker side its model, and
     every role reports the link model to the installer, which puts the link
     part in. A key neither upstream's connector (the keys its module reads)
@@ -74,6 +75,7 @@ from vllm_kvfill_patch.link import (
     bytes_per_block,
     loads_every_group,
 )
+from vllm_kvfill_patch.link_sharing import Sharing
 
 logger = init_logger("vllm.kvfill_patch")
 
@@ -84,7 +86,14 @@ again (``preemption`` reads it)."""
 LATENCY_OPTION = "transfer_latency_ms"
 BANDWIDTH_OPTION = "transfer_gbps"
 FAILURE_OPTION = "transfer_failure_rate"
-OWN_OPTIONS = (REFILL_OPTION, LATENCY_OPTION, BANDWIDTH_OPTION, FAILURE_OPTION)
+SHARING_OPTION = "transfer_sharing"
+OWN_OPTIONS = (
+    REFILL_OPTION,
+    LATENCY_OPTION,
+    BANDWIDTH_OPTION,
+    FAILURE_OPTION,
+    SHARING_OPTION,
+)
 """The options this package adds to upstream's."""
 UPSTREAM_OPTIONS = ("fill_mean", "fill_std")
 """Upstream's options in every release, beside those read from its source."""
@@ -181,6 +190,9 @@ def check(options: dict, seed: int = 0) -> OptIns:
     _require(FAILURE_OPTION, failure_rate, 0 <= failure_rate <= 1, "within [0, 1]")
     refill = options.get(REFILL_OPTION, False)
     _require(REFILL_OPTION, refill, isinstance(refill, bool), "true or false")
+    sharing = options.get(SHARING_OPTION, Sharing.FIFO.value)
+    names = [mode.value for mode in Sharing]
+    _require(SHARING_OPTION, sharing, sharing in names, " or ".join(map(repr, names)))
     if LATENCY_OPTION not in options and BANDWIDTH_OPTION not in options:
         _require(
             FAILURE_OPTION,
@@ -202,6 +214,7 @@ def check(options: dict, seed: int = 0) -> OptIns:
         options.get(BANDWIDTH_OPTION),
         failure_rate,
         seed,
+        Sharing(sharing),
     )
     return OptIns(refill, link)
 

@@ -191,6 +191,39 @@ def test_requests_admitted_together_arrive_one_after_another():
     print("reported after its arrival (ms):", late)
 
 
+def test_fairly_shared_requests_admitted_together_arrive_together():
+    """Eight requests whose KV takes 100 ms each alone share the link: each
+    is reported at 800 ms (no sooner, and within a step or two after), and
+    all are scheduled from then on."""
+    gbps = request_bytes() * 8 / PER_REQUEST_S / 1e9
+    report = probe(
+        {
+            "connector_options": {"transfer_gbps": gbps, "transfer_sharing": "fair"},
+            "scenarios": ["together"],
+            "requests": TOGETHER,
+        }
+    )
+    steps = admitted_and_delivered(report)
+    assert len(steps) == TOGETHER
+    first_admission = min(admitted for admitted, _ in steps.values())
+    assert all(admitted == first_admission for admitted, _ in steps.values())
+    arrival = first_admission + TOGETHER * PER_REQUEST_S
+    reported = {
+        external_id(rid): found["t"]
+        for found in reversed(report["reports"])
+        for rid in found["finished"]
+    }
+    assert len(reported) == TOGETHER
+    later = [t for t in (step["t"] for step in report["steps"]) if t >= arrival]
+    for rid, at in reported.items():
+        assert arrival <= at <= max(later[2], arrival + REPORT_SLACK_S), rid
+        assert steps[rid][1] >= at
+    print(
+        "reported after",
+        sorted(f"{(t - arrival) * 1e3:.1f}" for t in reported.values()),
+    )
+
+
 def test_under_preemption_a_resumed_request_is_recomputed_as_before(tmp_path):
     options = {"connector_options": {"transfer_latency_ms": 20}}
     report, steps = run_under_preemption(tmp_path, {}, options=options)

@@ -50,6 +50,7 @@ from vllm_kvfill_patch.fidelity.stats import Standing
 from vllm_kvfill_patch.fidelity.summary import report
 from vllm_kvfill_patch.fidelity.wire import DECODE_TOKENS_ENV, SUBNORMALS_ENV
 from vllm_kvfill_patch.link import LinkModel
+from vllm_kvfill_patch.link_sharing import Sharing
 
 EMBEDDED_SERVE_ARGUMENTS = [
     "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
@@ -272,7 +273,8 @@ class Run:
             return plan
         mean = transfers.mean_seconds() or 0.0
         self.say(
-            f"the link: {LinkModel(*fitted)}: the real node's transfers at C={lowest}, "
+            f"the link: {LinkModel(*fitted, sharing=Sharing(self.args.link_sharing))}: "
+            f"the real node's transfers at C={lowest}, "
             f"{transfers.bytes_each():,.0f} bytes in {mean * 1e3:.2f} ms on average "
             "(NIXL's own timing, post to completion)"
         )

@@ -12,6 +12,7 @@ from vllm_kvfill_patch.fidelity.modes import (
     add_fill_config_argument,
 )
 from vllm_kvfill_patch.fidelity.plan import QUICK, THOROUGH
+from vllm_kvfill_patch.link_sharing import Sharing
 
 DESCRIPTION = """\
 How far are decode numbers taken through DecodeBenchConnector from the truth?
@@ -124,6 +125,12 @@ def add_workload(group: argparse._ArgumentGroup) -> None:
         "(transfer_latency_ms, transfer_gbps per rank; GBPS empty: no limit); "
         "default: fitted to the decode-node mode's NIXL transfers at the "
         "lowest concurrency (their mean bytes in their mean time)",
+    )  # fmt: skip
+    group.add_argument(
+        "--link-sharing", choices=[sharing.value for sharing in Sharing],
+        default=Sharing.FIFO.value,
+        help="how the linked modes' transfers share the link "
+        "(transfer_sharing): one at a time, or all at once",
     )  # fmt: skip
     group.add_argument(
         "--refill", action="store_true",

@@ -116,6 +116,16 @@ def with_link(modes: tuple[Mode, ...], link: tuple[float, float | None]) -> tupl
     )
 
 
+def with_sharing(modes: tuple[Mode, ...], sharing: str) -> tuple:
+    """`modes`, the linked ones sharing their link as `sharing` says."""
+    return tuple(
+        replace(mode, setting=replace(mode.setting, sharing=sharing))
+        if mode.linked and mode.setting is not None
+        else mode
+        for mode in modes
+    )
+
+
 def serve_arguments(extra_config: dict) -> list[str]:
     """The connector server's `--kv-transfer-config`."""
     config: dict[str, object] = dict(SWITCHED_CONNECTOR)

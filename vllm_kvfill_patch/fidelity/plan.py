@@ -21,6 +21,7 @@ from vllm_kvfill_patch.fidelity.modes import (
     REFILL_PAIR,
     Mode,
     with_link,
+    with_sharing,
 )
 
 MIN_WAVES = 4
@@ -96,7 +97,9 @@ class Plan:
         modes = [MODES[name] for name in args.modes]
         if args.refill:
             modes += REFILL_PAIR
-        switched = tuple(mode for mode in modes if mode.setting is not None)
+        switched = with_sharing(
+            tuple(mode for mode in modes if mode.setting is not None), args.link_sharing
+        )
         main = Case(
             "main", switched, tuple(sorted(args.concurrency)), (),
             main_waves(args, profile), args.legs,

@@ -480,7 +480,9 @@ def mismatch(setting: Setting, state: dict) -> str | None:
     refill = setting.refill and setting.package
     if any(found is not refill for found in state["refill"]):
         problems.append(f"refill {state['refill']}, not {refill}")
-    link = list(setting.link) if setting.link and setting.package else None
+    link = (
+        [*setting.link, setting.sharing] if setting.link and setting.package else None
+    )
     if any(found != link for found in state.get("link", [])):
         problems.append(f"link {state['link']}, not {link}")
     return "; ".join(problems) or None

@@ -56,9 +56,14 @@ def to(setting: Setting) -> None:
         LinkModel,
         bytes_per_block,
     )
+    from vllm_kvfill_patch.link_sharing import Sharing
     from vllm_kvfill_patch.options import REFILL_ATTR
 
-    model = LinkModel(*setting.link) if setting.link and setting.package else None
+    model = (
+        LinkModel(*setting.link, sharing=Sharing(setting.sharing))
+        if setting.link and setting.package
+        else None
+    )
     with _lock:
         if model is None:
             installer.link_opted_out()
@@ -97,7 +102,9 @@ def in_force() -> InForce:
             "writes": _writes,
             "refill": [getattr(s, REFILL_ATTR, None) for s in schedulers],
             "link": [
-                [link.model.latency_ms, link.model.gbps] if link else None
+                [link.model.latency_ms, link.model.gbps, link.model.sharing.value]
+                if link
+                else None
                 for link in links
             ],
             "connectors": sorted(roles),

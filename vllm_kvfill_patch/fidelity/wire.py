@@ -53,6 +53,8 @@ class Setting:
     """The link model in force with the package: (latency in ms, Gb/s per
     rank or None for no limit); None: the KV arrives as the connector
     delivers it, in the step that admits the request."""
+    sharing: str = "fifo"
+    """How the link's transfers share it (``transfer_sharing``)."""
 
     @property
     def decision(self) -> str:
@@ -65,17 +67,18 @@ class Setting:
         if self.link is None:
             return flags
         latency, gbps = self.link
-        return f"{flags},link={latency!r}:{'' if gbps is None else repr(gbps)}"
+        gbps_word = "" if gbps is None else repr(gbps)
+        return f"{flags},link={latency!r}:{gbps_word}:{self.sharing}"
 
     @classmethod
     def decoded(cls, word: str) -> Setting:
         fields = dict(item.split("=") for item in word.split(","))
-        link = None
+        link, sharing = None, "fifo"
         if (link_word := fields.pop("link", None)) is not None:
-            latency, _, gbps = link_word.partition(":")
+            latency, gbps, sharing = link_word.split(":")
             link = (float(latency), float(gbps) if gbps else None)
         flags = {key: value == "1" for key, value in fields.items()}
-        return cls(**flags, link=link)
+        return cls(**flags, link=link, sharing=sharing)
 
 
 FLAGS = ("package", "writes", "refill")
@@ -101,7 +104,8 @@ class InForce(TypedDict):
     decision: str  # this package's (`Setting.decision`)
     writes: bool
     refill: list[bool | None]  # one per scheduler-side connector
-    # one per scheduler-side connector: [latency ms, Gb/s or None], or None
+    # one per scheduler-side connector: [latency ms, Gb/s or None, sharing],
+    # or None
     link: list[list | None]
     connectors: list[str]  # each connector's role: SCHEDULER, WORKER
 
