@@ -32,9 +32,11 @@ How
     gives the scheduler side a :class:`Link`. A request with tokens to fill is
     then answered asynchronously. Its transfer carries what a NIXL node reads
     for it on each rank: every layer's page of each of its blocks, from the
-    KV-cache specs (one link per rank: ranks read in parallel). It finishes at
-    ``max(admitted + latency, the previous transfer's finish) + bytes /
-    bandwidth``: one link, first come first served. At each ``schedule()``,
+    KV-cache specs (one link per rank: ranks read in parallel). It joins the
+    link a latency after admission and finishes as ``transfer_sharing`` says
+    (``link_sharing``): one at a time, first come first served (the
+    default), or sharing the bandwidth with the others on the link, a finish
+    that moves later sent to the workers again. At each ``schedule()``,
     the fills upstream recorded go on the link and, in the step's metadata,
     to the workers with the time they take; upstream's metadata is left
     nothing to fill. Each worker starts them when vLLM calls its
