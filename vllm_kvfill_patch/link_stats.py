@@ -154,39 +154,36 @@ class LinkPromMetrics:
     ) -> None:
         from prometheus_client import Counter, Histogram  # vLLM's own dependency
 
-        self.per_engine_labelvalues = per_engine_labelvalues
-        self.seconds = self._per_engine(
-            metric_types[Histogram](
-                name="vllm:emulated_kv_xfer_time_seconds",
-                documentation="Emulated KV transfers (vllm-kvfill-patch's link "
-                "model): seconds from admission to the workers' report.",
-                buckets=TIME_BUCKETS,
+        def per_engine(kind: type, name: str, what: str, **options: Any) -> dict:
+            metric = metric_types[kind](
+                name=f"vllm:emulated_kv_{name}",
+                documentation=f"Emulated KV transfers (vllm-kvfill-patch's link "
+                f"model): {what}.",
                 labelnames=labelnames,
+                **options,
             )
-        )
-        self.bytes = self._per_engine(
-            metric_types[Histogram](
-                name="vllm:emulated_kv_bytes_transferred",
-                documentation="Emulated KV transfers (vllm-kvfill-patch's link "
-                "model): bytes each carried on a worker's rank.",
-                buckets=BYTE_BUCKETS,
-                labelnames=labelnames,
-            )
-        )
-        self.failed = self._per_engine(
-            metric_types[Counter](
-                name="vllm:emulated_kv_num_failed_transfers",
-                documentation="Emulated KV transfers (vllm-kvfill-patch's link "
-                "model) that failed, as transfer_failure_rate draws them.",
-                labelnames=labelnames,
-            )
-        )
+            return {
+                engine: metric.labels(*values)
+                for engine, values in per_engine_labelvalues.items()
+            }
 
-    def _per_engine(self, metric: Any) -> dict[int, Any]:
-        return {
-            engine: metric.labels(*values)
-            for engine, values in self.per_engine_labelvalues.items()
-        }
+        self.seconds = per_engine(
+            Histogram,
+            "xfer_time_seconds",
+            "seconds from admission to the workers' report",
+            buckets=TIME_BUCKETS,
+        )
+        self.bytes = per_engine(
+            Histogram,
+            "bytes_transferred",
+            "bytes each carried on a worker's rank",
+            buckets=BYTE_BUCKETS,
+        )
+        self.failed = per_engine(
+            Counter,
+            "num_failed_transfers",
+            "failed ones, as transfer_failure_rate draws them",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for seconds in transfer_stats_data.get(SECONDS, ()):

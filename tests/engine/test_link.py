@@ -147,81 +147,60 @@ def test_each_transfer_carries_the_bytes_a_nixl_node_reads(latency_run):
     assert set(latency_run["transfer_bytes"].values()) == {request_bytes()}
 
 
-def test_requests_admitted_together_arrive_one_after_another():
+def admitted_together(sharing: str) -> tuple[dict, dict[str, float], list[float]]:
+    """Eight requests whose KV takes 100 ms each alone on the link, added at
+    once under `sharing`: each one's first waiting and first scheduled step
+    (all admitted in one step), when every rank had reported it, and the
+    steps' times."""
     gbps = request_bytes() * 8 / PER_REQUEST_S / 1e9
+    options = {"transfer_gbps": gbps, "transfer_sharing": sharing}
     report = probe(
-        {
-            "connector_options": {"transfer_gbps": gbps},
-            "scenarios": ["together"],
-            "requests": TOGETHER,
-        }
+        {"connector_options": options, "scenarios": ["together"], "requests": TOGETHER}
     )
     steps = admitted_and_delivered(report)
     assert len(steps) == TOGETHER
-    first_admission = min(admitted for admitted, _ in steps.values())
-    assert all(admitted == first_admission for admitted, _ in steps.values())
+    assert len({admitted for admitted, _ in steps.values()}) == 1
     reported = {
         external_id(rid): found["t"]
         for found in reversed(report["reports"])
         for rid in found["finished"]
     }
     assert len(reported) == TOGETHER
-    step_times = [step["t"] for step in report["steps"]]
-    delivered = sorted(delivered for _, delivered in steps.values())
-    print(
-        "scheduled after", [f"{(t - first_admission) * 1e3:.0f} ms" for t in delivered]
-    )
+    return steps, reported, [step["t"] for step in report["steps"]]
+
+
+def check_reported_on_time(arrival: float, at: float, step_times: list[float]) -> None:
+    """Reported once its transfer has arrived: at the end of the step in
+    progress then, or of the next (the worker took it from the admitting
+    step, and fills it first), or within REPORT_SLACK_S where steps are
+    quicker."""
+    later = [t for t in step_times if t >= arrival]
+    assert arrival <= at <= max(later[2], arrival + REPORT_SLACK_S)
+
+
+def test_requests_admitted_together_arrive_one_after_another():
+    steps, reported, step_times = admitted_together("fifo")
+    first_admission = next(iter(steps.values()))[0]
     late = []
     for k, (rid, at) in enumerate(sorted(reported.items(), key=lambda i: i[1]), 1):
         arrival = first_admission + k * PER_REQUEST_S
-        # Reported once its transfer has arrived: at the end of the step in
-        # progress then, or of the next (the worker took it from the
-        # admitting step, and fills it first), or within REPORT_SLACK_S
-        # where steps are quicker. Scheduled from then on, as vLLM's
-        # scheduler finds room (on a loaded machine, two at once).
-        later = [t for t in step_times if t >= arrival]
-        print(
-            k,
-            round((at - arrival) * 1e3, 1),
-            [round((t - arrival) * 1e3, 1) for t in later[:4]],
-        )
-        assert arrival <= at <= max(later[2], arrival + REPORT_SLACK_S), rid
+        check_reported_on_time(arrival, at, step_times)
+        # Scheduled from then on, as vLLM's scheduler finds room (on a
+        # loaded machine, two at once).
         assert steps[rid][1] >= at
         late.append(f"{(at - arrival) * 1e3:.1f}")
     print("reported after its arrival (ms):", late)
 
 
 def test_fairly_shared_requests_admitted_together_arrive_together():
-    """Eight requests whose KV takes 100 ms each alone share the link: each
-    is reported at 800 ms (no sooner, and within a step or two after), and
-    all are scheduled from then on."""
-    gbps = request_bytes() * 8 / PER_REQUEST_S / 1e9
-    report = probe(
-        {
-            "connector_options": {"transfer_gbps": gbps, "transfer_sharing": "fair"},
-            "scenarios": ["together"],
-            "requests": TOGETHER,
-        }
-    )
-    steps = admitted_and_delivered(report)
-    assert len(steps) == TOGETHER
-    first_admission = min(admitted for admitted, _ in steps.values())
-    assert all(admitted == first_admission for admitted, _ in steps.values())
-    arrival = first_admission + TOGETHER * PER_REQUEST_S
-    reported = {
-        external_id(rid): found["t"]
-        for found in reversed(report["reports"])
-        for rid in found["finished"]
-    }
-    assert len(reported) == TOGETHER
-    later = [t for t in (step["t"] for step in report["steps"]) if t >= arrival]
+    """Sharing the link, all eight arrive at 800 ms."""
+    steps, reported, step_times = admitted_together("fair")
+    arrival = next(iter(steps.values()))[0] + TOGETHER * PER_REQUEST_S
     for rid, at in reported.items():
-        assert arrival <= at <= max(later[2], arrival + REPORT_SLACK_S), rid
+        check_reported_on_time(arrival, at, step_times)
         assert steps[rid][1] >= at
-    print(
-        "reported after",
-        sorted(f"{(t - arrival) * 1e3:.1f}" for t in reported.values()),
-    )
+    late = sorted(f"{(at - arrival) * 1e3:.1f}" for at in reported.values())
+    print("reported after their arrival (ms):", late)
 
 
 def test_under_preemption_a_resumed_request_is_recomputed_as_before(tmp_path):
