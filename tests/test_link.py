@@ -674,3 +674,18 @@ def test_revert_with_a_transfer_in_flight_still_reports_it(node_for):
     assert "transfers in flight" not in vllm_kvfill_patch.revert().reason
     assert "get_finished" not in connector.__dict__
     assert vllm_kvfill_patch.apply().parts[-1] == "link"
+
+
+def test_a_silent_stage_stops_the_engine_where_vllm_keys_workers_by_stage(node_for):
+    """Pipeline parallel 2, stage 1's worker silent: refused from 0.23, whose
+    engine core keys the workers by (pp, tp); up to 0.22 vLLM merges the two
+    stages' keys (tp alone), and stage 0's announcement hides it."""
+    node = node_for(transfer_latency_ms=5)
+    connector = node.scheduler.connector
+    connector._vllm_config.parallel_config.pipeline_parallel_size = 2
+    announced = {(0, 0): node.ranks[0].get_handshake_metadata()}
+    if not hasattr(connector, "set_xfer_handshake_metadata_pp_aware"):
+        hand_over(connector, announced)
+        return
+    with pytest.raises(RuntimeError, match=re.escape("worker (pp 1, tp 0)")):
+        hand_over(connector, announced)

@@ -48,7 +48,7 @@ def test_the_installed_package_is_the_wheel_not_the_checkout():
 
 HOT_FIX = {"__init__", "_version", "decision_log", "fill", "fill_once", "gating"}
 HOT_FIX |= {"installer", "options", "preemption", "prefix_hit", "releases", "switches"}
-HOT_FIX |= {"worker_step", "link", "link_handshake", "link_stats"}
+HOT_FIX |= {"worker_step", "link", "link_handshake", "link_sharing", "link_stats"}
 FIDELITY_TOOL = {"__init__", "__main__", "args", "client", "connector", "cores"}
 FIDELITY_TOOL |= {"measure", "model", "modes", "picture", "plan", "probe"}
 FIDELITY_TOOL |= {"report", "serve", "stats", "summary", "switch", "values"}

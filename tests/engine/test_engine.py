@@ -166,3 +166,16 @@ def test_vllm_0_24_swapped_in_is_patched_as_the_policy_says():
     assert report["workers"][0]["decision"] == "applied"
     assert report["generated"] == [6] * 5
     check_every_step_filled_exactly_its_blocks(report["fills"], requests=5)
+
+
+def test_with_two_pipeline_stages_each_stages_worker_announces_and_reports_the_link():
+    """The link over vLLM's multiprocess executor, pipeline parallel 2: the
+    engine core takes each stage's announcement (pp 0 and pp 1) at startup,
+    each stage's worker reports each arrival, and every request ends."""
+    report = run_probe(
+        {"pipeline_parallel": 2, "connector_options": {"transfer_latency_ms": 20}},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    assert report["generated"] == [6] * 5, report.get("error_chain")
+    assert len(report["workers"]) == 2
+    assert all(worker["parts"][-1] == "link" for worker in report["workers"])
