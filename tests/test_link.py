@@ -128,8 +128,8 @@ class Node:
         self.stats: list = []
         """The steps' connector stats, as vLLM's aggregator merged the ranks'."""
 
-    def add(self, request_id: str):
-        request = make_request(request_id)
+    def add(self, request_id: str, prompt_len: int = PROMPT_LEN):
+        request = make_request(request_id, prompt_len)
         self.scheduler.add_request(request)
         return request
 
@@ -689,3 +689,30 @@ def test_a_silent_stage_stops_the_engine_where_vllm_keys_workers_by_stage(node_f
         return
     with pytest.raises(RuntimeError, match=re.escape("worker (pp 1, tp 0)")):
         hand_over(connector, announced)
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_a_transfer_carries_the_prompt_tokens_nixl_reads(
+    model, vllm_config_for, hybrid
+):
+    """NIXL reads all of a prompt but the last ``_prefill_backoff()`` tokens:
+    none without Mamba states, so a dense model's 33-token prompt is 3 blocks
+    of 16 where upstream fills 32 tokens (2 blocks); with states, the last is
+    left to decode as upstream does (2 blocks and the states). A 40-token
+    prompt is 3 blocks either way."""
+    from vllm_kvfill_patch.link import TRANSFERS_ATTR
+
+    if model == "hybrid" and not hybrid:
+        pytest.skip("up to 0.16 vLLM loads one KV-cache group asynchronously")
+    states = STATE_BYTES if model == "hybrid" else 0
+    with opt_ins_forgotten():
+        node = Node(vllm_config_for(transfer_latency_ms=5), model == "hybrid")
+        node.add("r", prompt_len=33)
+        node.add("s", prompt_len=40)
+        admitted = node.step()
+    transfers = getattr(admitted.kv_connector_metadata, TRANSFERS_ATTR)
+    assert {rid: transfer.nbytes for rid, transfer in transfers.items()} == {
+        "r": (3 if model == "dense" else 2) * PAGE_BYTES + states,
+        "s": 3 * PAGE_BYTES + states,
+    }
+    assert [len(ids) for ids in transfers["r"].fill[0]][0] == 2

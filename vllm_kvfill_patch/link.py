@@ -153,6 +153,47 @@ class Transfer:
     failed: bool = False
 
 
+@dataclass(frozen=True)
+class Reads:
+    """What a NIXL decode node reads of a request where upstream's fill
+    stops: upstream fills all tokens but the last; NIXL reads all but the
+    last ``backoff`` (``_prefill_backoff()``: 1 with Mamba or MTP, else 0).
+    Per KV-cache group, its block size where its blocks follow the tokens
+    (None: a state group, one block whatever the length)."""
+
+    block_sizes: tuple[int | None, ...] = ()
+    backoff: int = 1
+
+    def extra_blocks(self, num_tokens: int) -> tuple[int, ...]:
+        """Per group, the blocks NIXL reads for a request of `num_tokens`
+        tokens beyond those upstream fills (-1, 0 or 1)."""
+        return tuple(
+            0
+            if size is None
+            else -(-(num_tokens - self.backoff) // size) - -(-(num_tokens - 1) // size)
+            for size in self.block_sizes
+        )
+
+    @classmethod
+    def of(cls, kv_cache_config: Any, vllm_config: Any) -> Reads:
+        """From the scheduler side's configs: a group of Mamba states (its
+        spec has ``shapes``) or a circular buffer holds no block per token,
+        and a Mamba group makes NIXL leave the last token to decode."""
+        sizes: list[int | None] = []
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            layers = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+            per_token = not any(
+                hasattr(layer, "shapes") or type(layer).__name__ == "CircularBufferSpec"
+                for layer in layers
+            )
+            sizes.append(spec.block_size if per_token else None)
+        has_states = any(size is None for size in sizes)
+        lookahead = getattr(vllm_config, "num_prefill_lookahead_tokens", 1)
+        backoff = max(1 if has_states else 0, int(lookahead) - 1)
+        return cls(tuple(sizes), backoff)
+
+
 @dataclass
 class Link:
     """The scheduler side's link: when each transfer it starts will arrive,
@@ -173,6 +214,9 @@ class Link:
     """Transfers aborted in flight, for the workers to report without a fill."""
     draws: random.Random = field(init=False)
     """Which transfers fail: one draw per transfer, in the order admitted."""
+    reads: Reads = field(default_factory=Reads)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    """The tokens of each request answered asynchronously, until admitted."""
 
     def __post_init__(self) -> None:
         self.draws = random.Random(self.model.seed)
@@ -183,7 +227,10 @@ class Link:
         finish of those in flight that moved is kept for :meth:`take_retimed`."""
         now = self.clock()
         joins_at = now + self.model.latency_ms / 1e3
-        nbytes = {rid: self.bytes_of(fill[0]) for rid, fill in fills.items()}
+        nbytes = {
+            rid: self.bytes_of(fill[0], self.extra_blocks(rid))
+            for rid, fill in fills.items()
+        }
         finish = self.queue.start([(rid, joins_at, nbytes[rid]) for rid in fills])
         started = {}
         for request_id, fill in fills.items():
@@ -208,10 +255,18 @@ class Link:
         self.retimed = {}
         return retimed
 
-    def bytes_of(self, block_ids_per_group: tuple[list[int], ...]) -> int:
+    def extra_blocks(self, request_id: str) -> tuple[int, ...]:
+        num_tokens = self.num_tokens.pop(request_id, None)
+        return () if num_tokens is None else self.reads.extra_blocks(num_tokens)
+
+    def bytes_of(
+        self, block_ids_per_group: tuple[list[int], ...], extra: tuple[int, ...] = ()
+    ) -> int:
+        """What NIXL reads of these blocks, and of `extra` more per group."""
         # Not strict: a latency alone has no bytes per block (an old vLLM).
-        pairs = zip(block_ids_per_group, self.bytes_per_block, strict=False)
-        return sum(len(block_ids) * nbytes for block_ids, nbytes in pairs)
+        extra = (*extra, *(0,) * len(self.bytes_per_block))
+        groups = zip(block_ids_per_group, self.bytes_per_block, extra, strict=False)
+        return sum((len(ids) + more) * nbytes for ids, nbytes, more in groups)
 
     def scheduled(self, request_ids: Iterable[str]) -> None:
         """Requests scheduled: their transfers arrived, every rank reported."""
@@ -297,9 +352,12 @@ def link_of(scheduler: Any) -> Link | None:
 def answer_async(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:
     """Wrapper of ``DecodeBenchConnector.get_num_new_matched_tokens``."""
     matched, load_async = wrapped(*args, **kwargs)
-    if matched and link_of(connector.connector_scheduler) is not None:
-        return matched, True
-    return matched, load_async
+    link = link_of(connector.connector_scheduler)
+    if not matched or link is None:
+        return matched, load_async
+    request = _request_argument(*args, **kwargs)
+    link.num_tokens[request.request_id] = request.num_tokens
+    return matched, True
 
 
 def send_transfers(wrapped: Any, connector: Any, args: tuple, kwargs: dict) -> Any:

@@ -72,6 +72,7 @@ from vllm_kvfill_patch.link import (
     MODEL_ATTR,
     Link,
     LinkModel,
+    Reads,
     bytes_per_block,
     loads_every_group,
 )
@@ -141,7 +142,8 @@ def wrappers(report: Reporters) -> dict[str, Callable[..., Any]]:
             )
         if opted.link is not None:
             if scheduler is not None:
-                setattr(scheduler, LINK_ATTR, _link(opted.link, kv_cache_config))
+                link = _link(opted.link, kv_cache_config, vllm_config)
+                setattr(scheduler, LINK_ATTR, link)
             worker = getattr(connector, "connector_worker", None)
             if worker is not None:
                 setattr(worker, MODEL_ATTR, opted.link)
@@ -254,7 +256,7 @@ def known_options() -> tuple[str, ...]:
     return tuple(dict.fromkeys((*UPSTREAM_OPTIONS, *sorted(read), *OWN_OPTIONS)))
 
 
-def _link(model: LinkModel, kv_cache_config: Any) -> Link:
+def _link(model: LinkModel, kv_cache_config: Any, vllm_config: Any) -> Link:
     """The scheduler side's link; a bandwidth needs the KV-cache config, to
     know the bytes a transfer carries."""
     if kv_cache_config is None:
@@ -281,7 +283,11 @@ def _link(model: LinkModel, kv_cache_config: Any) -> Link:
             f"model of several KV-cache groups; this one takes failed blocks of "
             f"one group only, and this model has {groups}"
         )
-    return Link(model, bytes_per_block(kv_cache_config))
+    return Link(
+        model,
+        bytes_per_block(kv_cache_config),
+        reads=Reads.of(kv_cache_config, vllm_config),
+    )
 
 
 def fails_by_request() -> bool:

@@ -54,6 +54,7 @@ def to(setting: Setting) -> None:
         MODEL_ATTR,
         Link,
         LinkModel,
+        Reads,
         bytes_per_block,
     )
     from vllm_kvfill_patch.link_sharing import Sharing
@@ -74,7 +75,9 @@ def to(setting: Setting) -> None:
         _writes = setting.writes
         for connector, scheduler in _scheduler_sides():
             setattr(scheduler, REFILL_ATTR, setting.refill)
-            link = model and Link(model, bytes_per_block(connector._kv_cache_config))
+            config = connector._kv_cache_config
+            reads = Reads.of(config, connector._vllm_config)
+            link = model and Link(model, bytes_per_block(config), reads=reads)
             setattr(scheduler, LINK_ATTR, link)
         for connector in _connectors:  # a worker reports its transfers' stats
             if (worker := getattr(connector, "connector_worker", None)) is not None:
