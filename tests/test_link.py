@@ -716,3 +716,22 @@ def test_a_transfer_carries_the_prompt_tokens_nixl_reads(
         "s": 3 * PAGE_BYTES + states,
     }
     assert [len(ids) for ids in transfers["r"].fill[0]][0] == 2
+
+
+def test_the_status_holds_the_refill_and_the_link_as_fields(node_for):
+    """Both opt-ins at once: the refill before the link among the parts, the
+    link model a field of the status, and the link's going leaves the
+    refill's semantics as they were (nothing read back out of a sentence)."""
+    from vllm_kvfill_patch import installer
+
+    node_for(transfer_latency_ms=5, refill_preempted=True)
+    status = installer.status()
+    assert status.parts[-2:] == ("refill", "link")
+    assert status.link is not None and status.link.latency_ms == 5
+    assert status.semantics.startswith("a decode node with an offload tier")
+    assert status.semantics.endswith(f"its KV over a modelled link ({status.link})")
+    installer.link_opted_out()
+    status = installer.status()
+    assert status.parts[-1] == "refill" and status.link is None
+    assert status.semantics == status.preemption
+    assert status.semantics_why == "refill_preempted in the connector's options"

@@ -83,14 +83,31 @@ class PatchStatus:
     opt-in "link" (both sides: ``link``), "link-metrics" (the link's
     transfers read into vLLM's metrics: ``link_stats``) and "options" (the
     connector's options checked: ``options``)."""
-    semantics: str = NOT_APPLIED
+    preemption: str = NOT_APPLIED
     """What the benchmark emulates after a preemption: a decode node's
-    recompute, or (the opt-in refill) a node with an offload tier; with the
-    opt-in link model, how the KV arrives; upstream's own where the patch is
-    not applied."""
-    semantics_why: str = ""
-    """What set the semantics (a switch, a connector's options, the refill
-    being opt-in); empty where the patch is not applied."""
+    recompute, or (the opt-in refill) a node with an offload tier;
+    upstream's own where the patch is not applied."""
+    preemption_why: str = ""
+    """What set it (a switch, a connector's options, the refill being
+    opt-in); empty where the patch is not applied."""
+    link: LinkModel | None = None
+    """The link model a connector's options put in force (the link part);
+    None: the KV arrives in the step that admits the request."""
+
+    @property
+    def semantics(self) -> str:
+        """What the benchmark emulates: after a preemption, and how the KV
+        arrives."""
+        if self.link is None:
+            return self.preemption
+        return f"{self.preemption}; its KV over a modelled link ({self.link})"
+
+    @property
+    def semantics_why(self) -> str:
+        """What set the semantics."""
+        if self.link is None:
+            return self.preemption_why
+        return f"{self.preemption_why}; {LINK_OPTIONS} in the connector's options"
 
     @property
     def reason(self) -> str:
@@ -223,13 +240,7 @@ def refill_opted_in(source: str) -> None:
             or switches.refill_switch() is False
         ):
             return
-        with_refill = _with_refill(_without_link(applied), source)
-        model = _installer.link_model
-        _put_in(
-            _with_link(with_refill, model)
-            if LINK in applied.parts and model is not None
-            else with_refill
-        )
+        _put_in(_with_refill(applied, source))
 
 
 def link_opted_in(model: LinkModel) -> None:
@@ -249,7 +260,7 @@ def link_opted_in(model: LinkModel) -> None:
                 _installer.status.reason,
             )
             return
-        _put_in(_with_link(_without_link(applied), model))
+        _put_in(_with_link(applied, model))
 
 
 @contextlib.contextmanager
@@ -360,7 +371,7 @@ def _refill_status(verdict: Verdict) -> PatchStatus:
     )
     if not verdict.refill_available:
         why = "upstream's connector fills a preempted request again itself"
-        return replace(applied, semantics=UPSTREAM_REFILL, semantics_why=why)
+        return replace(applied, preemption=UPSTREAM_REFILL, preemption_why=why)
     switch, source = switches.refill_switch(), _installer.refill_source
     if switch is True or (switch is None and source):
         return _with_refill(
@@ -372,40 +383,32 @@ def _refill_status(verdict: Verdict) -> PatchStatus:
         why = "the refill is opt-in: refill_preempted in the connector's options"
         if unknown := switches.refill_switch_unknown():
             why += f"; {switches.REFILL_SWITCH}={unknown!r} is neither 1 nor 0, ignored"
-    return replace(applied, semantics=DECODE_NODE, semantics_why=why)
+    return replace(applied, preemption=DECODE_NODE, preemption_why=why)
 
 
 def _with_refill(applied: PatchStatus, why: str) -> PatchStatus:
-    """`applied` with the refill in, and the semantics it sets, asked for by `why`."""
+    """`applied` with the refill in (before the link, where it is in), and
+    the semantics it sets, asked for by `why`."""
+    others = tuple(part for part in applied.parts if part != LINK)
+    link = (LINK,) if LINK in applied.parts else ()
     return replace(
         applied,
-        parts=(*applied.parts, REFILL),
-        semantics=OFFLOAD_TIER,
-        semantics_why=why,
+        parts=(*others, REFILL, *link),
+        preemption=OFFLOAD_TIER,
+        preemption_why=why,
     )
 
 
 def _with_link(applied: PatchStatus, model: LinkModel) -> PatchStatus:
-    """`applied` with the link part in, and the model named in the semantics."""
-    return replace(
-        applied,
-        parts=(*applied.parts, LINK),
-        semantics=f"{applied.semantics}; its KV over a modelled link ({model})",
-        semantics_why=f"{applied.semantics_why}; {LINK_OPTIONS} in the "
-        "connector's options",
-    )
+    """`applied` with the link part in, its model `model`."""
+    without = _without_link(applied)
+    return replace(without, parts=(*without.parts, LINK), link=model)
 
 
 def _without_link(applied: PatchStatus) -> PatchStatus:
-    """`applied` as it was before :func:`_with_link` (a second model asked)."""
-    if LINK not in applied.parts:
-        return applied
-    return replace(
-        applied,
-        parts=tuple(part for part in applied.parts if part != LINK),
-        semantics=applied.semantics.split("; its KV over", 1)[0],
-        semantics_why=applied.semantics_why.rsplit(f"; {LINK_OPTIONS}", 1)[0],
-    )
+    """`applied` without the link part."""
+    parts = tuple(part for part in applied.parts if part != LINK)
+    return replace(applied, parts=parts, link=None)
 
 
 def _install(module: ModuleType, parts: tuple[str, ...]) -> None:
