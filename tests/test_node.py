@@ -16,11 +16,11 @@ import pytest
 
 from tests.test_report import cell
 from vllm_kvfill_patch.fidelity.client import REQUEST_ID_PREFIX, ways_in_and_out
+from vllm_kvfill_patch.fidelity.cores import cpu_seconds, stat_fields
 from vllm_kvfill_patch.fidelity.modes import IDEAL, LINKED, NODE, PACKAGE
 from vllm_kvfill_patch.fidelity.node import (
     DecodeNode,
     bound_cores,
-    cpu_seconds,
     transfer_config,
 )
 from vllm_kvfill_patch.fidelity.node_report import (
@@ -145,8 +145,7 @@ for child in children:
 
 
 def state(pid: int) -> str:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2]
+    return stat_fields(pid)[0]
 
 
 def test_the_prefill_engine_core_and_only_it_is_paused_while_decode_is_measured(

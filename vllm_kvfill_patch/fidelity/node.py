@@ -25,10 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_kvfill_patch.fidelity.cores import (
+    SPINNING_NICENESS,
     Placement,
-    _session_processes,
-    _threads,
+    cpu_seconds,
+    engine_processes,
+    idle,
     real_time_permitted,
+    repin,
+    threads,
+    wait_stopped,
+    worker_processes,
 )
 from vllm_kvfill_patch.fidelity.serve import (
     NOT_UP,
@@ -78,100 +84,15 @@ def bound_cores(log: str) -> list[int] | None:
     return [int(core) for core in found[1].split(",")] if found else None
 
 
-def nixl_threads(probe_dir: Path, pid: int) -> set[int]:
+def nixlthreads(probe_dir: Path, pid: int) -> set[int]:
     """The threads NIXL's agents started in process `pid`, as it recorded them
     (`nixl_rest`; none where the tool did not rest them)."""
     found = probe_dir / f"{pid}{NIXL_THREADS}"
     return set(map(int, found.read_text().split())) if found.exists() else set()
 
 
-def named_processes(leader: int, prefix: str) -> list[int]:
-    """The processes of the server `leader` started whose name (vLLM sets
-    it: ``VLLM::Worker``, ``VLLM::EngineCore``) starts with `prefix`."""
-    found = []
-    for pid in _session_processes(leader):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
-                found.append(pid)
-    return found
-
-
-def worker_processes(leader: int) -> list[int]:
-    """The model workers among the processes of the server `leader` started."""
-    return named_processes(leader, "VLLM::Worker")
-
-
-def engine_processes(leader: int) -> list[int]:
-    """The engine cores among the processes of the server `leader` started
-    (the kernel keeps 15 characters of a name)."""
-    return named_processes(leader, "VLLM::EngineCor")
-
-
 STARTING_CHECK_SECONDS = 3.0
 """How often NIXL's threads are lowered while the pair starts."""
-SPINNING_NICENESS = 19
-"""The threads that spin: the prefill server's engine side and workers after
-each of decode's notifications, and the workers' other threads. On the
-cores the client and the decode server's engine side share, they run only
-when nothing else would (`idle`: Linux's ``SCHED_IDLE``, at this niceness),
-so that the decode server's front is not kept off its core by them, as on
-a machine with cores to spare. UCX's progress threads are among them,
-resting between polls (`nixl_rest`); NIXL's agents' own threads keep the
-worker's priority."""
-
-
-def idle(thread: int) -> None:
-    """`thread` run only when its cores have nothing else to run."""
-    os.setpriority(os.PRIO_PROCESS, thread, SPINNING_NICENESS)
-    os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-
-
-def repin(
-    worker: int, model_cores: list[int], front: frozenset[int], resting: set[int]
-) -> None:
-    """The worker's model thread back on the first core vLLM bound it to,
-    one thread alone on each other bound core kept (OpenMP's team), and
-    every other thread on `front`, `idle` but NIXL's
-    `resting` ones."""
-    os.sched_setaffinity(worker, {model_cores[0]})
-    kept = {model_cores[0]}
-    for thread in _threads(worker):
-        if thread == worker:
-            continue
-        with contextlib.suppress(OSError):  # a thread that ended
-            on = os.sched_getaffinity(thread)
-            core = next(iter(on)) if len(on) == 1 else None
-            if core in model_cores and core not in kept:
-                kept.add(core)
-                continue
-            os.sched_setaffinity(thread, front)
-            if thread not in resting:
-                idle(thread)
-
-
-def cpu_seconds(pid: int) -> float:
-    """The CPU time process `pid` has taken, all its threads (0 where it
-    ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_stopped(pid: int, timeout: float = 1.0) -> None:
-    """Until process `pid` has stopped (a signal is delivered when the
-    process next runs), or `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # ended
-            return
-        if stat[stat.rindex(")") + 2] in "Tt":
-            return
-        time.sleep(0.001)
 
 
 @dataclass
@@ -246,7 +167,7 @@ class DecodeNode(Server):
             if server.process is None:
                 continue
             for worker in worker_processes(server.process.pid):
-                for thread in _threads(worker):
+                for thread in threads(worker):
                     if thread != worker and thread not in resting:
                         with contextlib.suppress(OSError):  # a thread that ended
                             idle(thread)
@@ -258,7 +179,7 @@ class DecodeNode(Server):
             for server in (self.pair, self)
             if server.process is not None
             for worker in worker_processes(server.process.pid)
-            for thread in nixl_threads(server.probe_dir, worker)
+            for thread in nixlthreads(server.probe_dir, worker)
         }
 
     def alive(self) -> bool:
@@ -343,7 +264,7 @@ class DecodeNode(Server):
             self.pair.process.pid, SPINNING_NICENESS, frozenset(resting)
         )
         for pid in lowered:
-            for thread in set(_threads(pid)) - resting:
+            for thread in set(threads(pid)) - resting:
                 with contextlib.suppress(OSError):  # a thread that ended
                     idle(thread)
         self.lower_spinners()
