@@ -36,6 +36,7 @@ LATENCY_S = 0.2
 PER_REQUEST_S = 0.1
 TOGETHER = 8
 FAILING = 4
+HALF_FAILING = 16
 SLACK_S = 0.1
 """How much later than the link says a request alone may be scheduled: the
 engine's poll while idle (~1 ms a step), with room for a loaded machine."""
@@ -290,14 +291,22 @@ def failing_runs() -> dict[str, dict]:
     }
 
 
+def first_scheduled(report: dict) -> dict[str, int]:
+    """Per request, the tokens the step that first scheduled it computed:
+    the whole prompt where its load failed and it was recomputed, 1 where
+    its KV arrived."""
+    first: dict[str, int] = {}
+    for step in report["steps"]:
+        for rid, tokens in step["scheduled"].items():
+            first.setdefault(external_id(rid), tokens)
+    return first
+
+
 def test_with_recompute_every_failed_request_is_computed_locally(failing_runs):
     report = failing_runs["recompute"]
     assert sorted(report["finished"].values()) == ["length"] * FAILING
     assert all(stamps["tokens"] == OUTPUT for stamps in report["timestamps"].values())
-    first = {}
-    for step in report["steps"]:
-        for rid, tokens in step["scheduled"].items():
-            first.setdefault(external_id(rid), tokens)
+    first = first_scheduled(report)
     assert first == {f"together-{k}": PROMPT for k in range(FAILING)}
     computed = metric(report, "vllm:prompt_tokens_by_source", source="local_compute")
     assert computed == FAILING * PROMPT
@@ -356,3 +365,27 @@ def test_a_bad_link_option_stops_the_engine_naming_it(options, said):
     report = run_probe({"in_process": True, "connector_options": options}, may_die=True)
     assert report["returncode"] != 0 and "generated" not in report
     assert said in report["log"], report["log"][-3000:]
+
+
+def test_half_the_transfers_fail_the_same_ones_for_the_same_seed():
+    """transfer_failure_rate 0.5, 16 requests, vLLM's default seed, twice:
+    the requests recomputed are the same in both engines, and as many as
+    the binomial allows (2 - 14 of 16: 99.95% of runs); vLLM counts each failure."""
+    options = {
+        "connector_options": {"transfer_latency_ms": 20, "transfer_failure_rate": 0.5},
+        "failure_policy": "recompute",
+        "scenarios": ["together"],
+        "requests": HALF_FAILING,
+    }
+    runs = [probe(options), probe(options)]
+    failed = [
+        sorted(rid for rid, tokens in first_scheduled(run).items() if tokens == PROMPT)
+        for run in runs
+    ]
+    assert failed[0] == failed[1]
+    assert 2 <= len(failed[0]) <= HALF_FAILING - 2
+    for run in runs:
+        assert sorted(run["finished"].values()) == ["length"] * HALF_FAILING
+        counted = metric(run, "vllm:emulated_kv_num_failed_transfers")
+        assert counted == len(failed[0])
+    print("failed:", failed[0])
