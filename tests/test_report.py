@@ -25,6 +25,7 @@ from vllm_kvfill_patch.fidelity.report import (
     Key,
     against,
     comma_separated,
+    fill_p99_ms,
     full_records,
     markdown,
     metric_of,
@@ -189,7 +190,8 @@ def test_the_terminal_table_has_ten_columns_at_most_and_names_what_did_not_run()
     assert ideal[3] == ideal[5] == "(reference)"
     upstream = table[2].split(" | ")
     assert upstream[5] == "+40.0% [+40.0%, +40.0%]"
-    assert upstream[6] == "2.048 ms (7.3%)"  # the fill's p99 against ITL p99
+    # The fill's p99 (2.0 ms, read from buckets 1% apart) against ITL p99.
+    assert upstream[6] == "2.008 ms (7.2%)"
     assert table[-1] == "| upstream | 8 | did not run: vllm bench serve failed: gone |"
 
 
@@ -382,3 +384,13 @@ def test_settling_adds_rounds_of_the_package_and_the_ideal_where_undecided(
     without = dataclasses.replace(run.plan.main, modes=(UPSTREAM, PACKAGE))
     run.settle(None, without, 6, 5)
     assert measured == []
+
+
+def test_a_fill_p99_is_read_within_one_percent_of_the_true_one():
+    """Fills of 11.2 and 11.585 ms (3.4% apart, one bucket of the old
+    quarter-octave histogram) print apart, each within 1% above its true
+    time."""
+    printed = [fill_p99_ms(cell(ONES, ONES, fill_ms=ms)) for ms in (11.2, 11.585)]
+    assert printed[0] != printed[1]
+    for true, read in zip((11.2, 11.585), printed, strict=True):
+        assert true <= read <= true * 1.01

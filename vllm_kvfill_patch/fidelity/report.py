@@ -101,7 +101,7 @@ def against(cell: Cell, reference: Cell | None, key: str) -> Ratio | None:
 
 def fill_p99_ms(cell: Cell) -> float | None:
     """The 99th percentile of the fill's time per forward pass (the upper
-    bound of its histogram bucket: at most 19% above it)."""
+    bound of its histogram bucket: at most 1% above it)."""
     histogram = [0] * FILL_BUCKETS
     for run in cell.runs:
         histogram = counted(histogram, run["fill_histogram"])
