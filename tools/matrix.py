@@ -60,6 +60,7 @@ ENGINES = {
         "tests/engine/test_topologies.py",
         "tests/engine/test_fidelity.py",
         "tests/engine/test_link.py",
+        "tests/engine/test_nixl_rest.py",
         "tests/engine/test_proxy.py",
         "tests/test_allocator.py",
     ),
