@@ -94,8 +94,8 @@ MODEL_ATTR = "_kvfill_link_model"
 """On the connector's worker side: the :class:`LinkModel` its options asked
 for (absent: no link model)."""
 TRANSFERS_ATTR = "_kvfill_transfers"
-"""On a step's connector metadata: the transfers the step started, by request
-id: the fill, and the seconds until it arrives."""
+"""On a step's connector metadata: the transfers the step started, by
+request id (:class:`Transfer`)."""
 DROPPED_ATTR = "_kvfill_dropped"
 """On a step's connector metadata: the ids of transfers aborted in flight."""
 RETIMED_ATTR = "_kvfill_retimed"
