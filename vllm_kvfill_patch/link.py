@@ -222,6 +222,16 @@ class Link:
         self.draws = random.Random(self.model.seed)
         self.queue = queue_for(self.model.sharing, self.model.bytes_per_second())
 
+    @classmethod
+    def of(cls, model: LinkModel, kv_cache_config: Any, vllm_config: Any) -> Link:
+        """The scheduler side's link for these configs: each group's bytes
+        per block, and what NIXL reads of a request."""
+        return cls(
+            model,
+            bytes_per_block(kv_cache_config),
+            reads=Reads.of(kv_cache_config, vllm_config),
+        )
+
     def admit(self, fills: Mapping[str, Fill]) -> dict[str, Transfer]:
         """Start a transfer for each fill, in order, on the one link; the
         finish of those in flight that moved is kept for :meth:`take_retimed`."""

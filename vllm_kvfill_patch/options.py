@@ -72,8 +72,6 @@ from vllm_kvfill_patch.link import (
     MODEL_ATTR,
     Link,
     LinkModel,
-    Reads,
-    bytes_per_block,
     loads_every_group,
 )
 from vllm_kvfill_patch.link_sharing import Sharing
@@ -283,11 +281,7 @@ def _link(model: LinkModel, kv_cache_config: Any, vllm_config: Any) -> Link:
             f"model of several KV-cache groups; this one takes failed blocks of "
             f"one group only, and this model has {groups}"
         )
-    return Link(
-        model,
-        bytes_per_block(kv_cache_config),
-        reads=Reads.of(kv_cache_config, vllm_config),
-    )
+    return Link.of(model, kv_cache_config, vllm_config)
 
 
 def fails_by_request() -> bool:

@@ -49,14 +49,7 @@ def to(setting: Setting) -> None:
     global _writes
     import vllm_kvfill_patch
     from vllm_kvfill_patch import installer
-    from vllm_kvfill_patch.link import (
-        LINK_ATTR,
-        MODEL_ATTR,
-        Link,
-        LinkModel,
-        Reads,
-        bytes_per_block,
-    )
+    from vllm_kvfill_patch.link import LINK_ATTR, MODEL_ATTR, Link, LinkModel
     from vllm_kvfill_patch.link_sharing import Sharing
     from vllm_kvfill_patch.options import REFILL_ATTR
 
@@ -75,9 +68,9 @@ def to(setting: Setting) -> None:
         _writes = setting.writes
         for connector, scheduler in _scheduler_sides():
             setattr(scheduler, REFILL_ATTR, setting.refill)
-            config = connector._kv_cache_config
-            reads = Reads.of(config, connector._vllm_config)
-            link = model and Link(model, bytes_per_block(config), reads=reads)
+            link = model and Link.of(
+                model, connector._kv_cache_config, connector._vllm_config
+            )
             setattr(scheduler, LINK_ATTR, link)
         for connector in _connectors:  # a worker reports its transfers' stats
             if (worker := getattr(connector, "connector_worker", None)) is not None:
