@@ -28,6 +28,9 @@ How
     every stage; a missing one stops the engine at startup with an error
     naming the option, the worker and why. The link carries, per group, the
     most any rank reads: a transfer is done when its slowest rank's is.
+    Where the engine core's process lacks the package (its workers have it),
+    upstream's setter takes the announcements: under pipeline parallelism it
+    refuses those of stage 1 and up, and the engine stops saying so.
 
 Upstream
     The channel: ``get_handshake_metadata`` and

@@ -15,9 +15,8 @@ Why
     A NIXL decode node's reads show in ``/metrics``
     (``vllm:nixl_xfer_time_seconds``, ``vllm:nixl_bytes_transferred``,
     ``vllm:nixl_num_failed_transfers``) and in the periodic "KV Transfer
-    metrics" log line. The link's transfers showed nowhere but in the
-    fidelity tool's probe, so a dashboard could not tell the emulated node's
-    transfers from none.
+    metrics" log line; without the link's there, a dashboard cannot tell
+    the emulated node's transfers from none.
 
 How
     Each worker collects the transfers it reported since vLLM last asked
@@ -38,7 +37,8 @@ Upstream
     (``kv_connector/v1/metrics.py``); NixlConnector's ``nixl/stats.py``.
 
 Versions
-    Every release with ``KVConnectorPromMetrics`` (0.23 - 0.34 today).
+    Every release the link applies to (0.11.1 - 0.34 today): each has the
+    stats API (``gating`` checks both class methods).
 
 Remove when
     The link part goes.

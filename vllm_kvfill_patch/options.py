@@ -41,8 +41,8 @@ How
 
 Upstream
     No release checks these options; ``refill_preempted``,
-    ``transfer_latency_ms``, ``transfer_gbps`` and ``transfer_failure_rate``
-    are this package's.
+    ``transfer_latency_ms``, ``transfer_gbps``, ``transfer_sharing`` and
+    ``transfer_failure_rate`` are this package's.
 
 Versions
     Every release the patch applies to: this part goes in with the others.
