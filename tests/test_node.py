@@ -24,6 +24,7 @@ from vllm_kvfill_patch.fidelity.node import (
     transfer_config,
 )
 from vllm_kvfill_patch.fidelity.node_report import (
+    AGAINST_NODE,
     HEADINGS,
     WHY_LINKED,
     fitted_link,
@@ -361,3 +362,21 @@ def test_each_requests_way_in_and_out_pairs_the_engines_times_with_the_clients()
 def test_without_a_node_there_is_no_table():
     found, _ = rows({Key("main", 8, PACKAGE.name): cell([1, 1], [1, 1])})
     assert node_table(found) == "" and ttft_lines(found, None) == []
+
+
+def test_the_picture_shows_each_mode_against_the_real_node():
+    """A row of panels against the node above the row against the ideal:
+    the package's decode TTFT half the node's, at -50%, its interval drawn."""
+    from vllm_kvfill_patch.fidelity.picture import figure_of
+
+    found, _ = rows(node_cells())  # type: ignore[arg-type]
+    figure = figure_of(found, "synthetic")
+    titles = [axis.get_title() for axis in figure.axes]
+    assert titles[:3] == [
+        f"{name} against the real decode node" for _, name in AGAINST_NODE
+    ]
+    assert "against the ideal" in titles[3]
+    package = next(
+        line for line in figure.axes[0].containers if line.get_label() == PACKAGE.name
+    )
+    assert package.lines[0].get_ydata()[0] == pytest.approx(-50.0)
